@@ -44,7 +44,7 @@ set_paths() {
     SPOOL=$STATE_DIR/spool
     DEVDIR=$STATE_DIR/dev
     DBDIR=$STATE_DIR/mysql
-    MUNGE_STATE=$STATE_DIR/munge # owned by user munge (munged drops no privileges: it starts as munge)
+    MUNGE_STATE=$STATE_DIR/munge # owned by user munge, which munged runs as (it writes pid/log there)
     DB_SOCK=$RUN/mysqld.sock
 }
 
@@ -106,15 +106,18 @@ install_packages() {
     local missing
     missing=$(missing_packages)
     [[ -z $missing ]] && return 0
-    log "installing: $(echo $missing)"
+    local apt_log=$LOGS/apt.log
+    mkdir -p "$LOGS"
+    log "installing: ${missing//$'\n'/ } (output in $apt_log)"
     export DEBIAN_FRONTEND=noninteractive
     # shellcheck disable=SC2086
-    if ! apt-get install -y --no-install-recommends $missing; then
+    if ! apt-get install -y --no-install-recommends $missing >"$apt_log" 2>&1; then
         # Usually "Unable to locate package": no package lists yet.
         log "install failed; running apt-get update and retrying"
-        apt-get update
-        # shellcheck disable=SC2086
-        apt-get install -y --no-install-recommends $missing
+        if ! { apt-get update && apt-get install -y --no-install-recommends $missing; } >>"$apt_log" 2>&1; then
+            tail -n 30 "$apt_log" >&2
+            die "apt-get install failed"
+        fi
     fi
 }
 
@@ -129,6 +132,7 @@ write_if_changed() { # write_if_changed FILE MODE < content
         install -m "$mode" -o root -g root "$tmp" "$f"
         rm -f "$tmp"
         log "wrote $f"
+        CONFIG_CHANGED=1
     fi
 }
 
@@ -174,8 +178,12 @@ SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd.log
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
+# Record GPU allocations, so sacct's AllocTRES shows gres/gpu.
+AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
+# No mail here; the default /bin/mail is absent and slurmctld logs an error.
+MailProg=/bin/true
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN
 PartitionName=$PARTITION Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -195,7 +203,7 @@ SlurmUser=root
 PidFile=$RUN/slurmdbd.pid
 LogFile=$LOGS/slurmdbd.log
 StorageType=accounting_storage/mysql
-# TCP on loopback: slurmdbd cannot be pointed at a non-default unix socket.
+# TCP on loopback: mariadbd's unix socket is in STATE_DIR, not where the client library looks.
 StorageHost=127.0.0.1
 StoragePort=$DB_PORT
 StorageUser=slurm
@@ -244,13 +252,20 @@ start_mariadb() {
     rm -f "$DB_SOCK"
     # --no-defaults: ignore /etc/mysql (Debian's socket/pid paths under /run/mysqld).
     # mariadbd does not daemonize: detach it with setsid; it writes its own pidfile.
+    # slurmdbd logs an error below a 128M buffer pool / 900 s lock wait.
     setsid mariadbd --no-defaults --user=root --datadir="$DBDIR" \
         --socket="$DB_SOCK" --pid-file="$RUN/mariadbd.pid" \
         --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
         --log-error="$LOGS/mariadb.log" \
-        --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
+        --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 \
         </dev/null >/dev/null 2>&1 &
-    wait_for 60 mariadbd mariadb-admin --socket="$DB_SOCK" -u root ping || fail "mariadbd did not come up"
+    local bg=$! i
+    for ((i = 0; i < 120; i++)); do # 60 s; stop early if it died (e.g. port in use)
+        mariadb-admin --socket="$DB_SOCK" -u root ping >/dev/null 2>&1 && break
+        kill -0 "$bg" 2>/dev/null || fail "mariadbd exited (port $DB_PORT in use? set EAGLEFLOW_SLURM_DB_PORT)"
+        sleep 0.5
+    done
+    ((i < 120)) || fail "mariadbd did not come up in 60 s"
     wait_for 10 "mariadbd pidfile" running mariadbd || fail "mariadbd pidfile missing"
     # slurmdbd connects over TCP as 127.0.0.1 (skip-name-resolve: no 'localhost' mapping).
     db -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
@@ -297,8 +312,8 @@ start_slurmd() {
 
 node_state() { sinfo -h -n localhost -o %T 2>/dev/null | head -n1; }
 
-node_usable() {
-    case $(node_state) in
+state_usable() { # state_usable STATE
+    case $1 in
     idle | mixed | allocated | completing) return 0 ;; # "up" includes a busy node
     *) return 1 ;;
     esac
@@ -308,7 +323,7 @@ wait_idle() {
     local i st=""
     for ((i = 0; i < 120; i++)); do # 60 s
         st=$(node_state || true)
-        if node_usable; then
+        if state_usable "$st"; then
             log "node localhost is $st"
             return 0
         fi
@@ -325,14 +340,23 @@ wait_idle() {
 cmd_up() {
     [[ $(id -u) == 0 ]] || die "must run as root"
     set_paths
-    # Refuse to reconfigure a cluster that another state dir is running.
-    if [[ -f $CONF_DIR/slurm.conf ]] && ! grep -qF "StateSaveLocation=$SPOOL/ctld" "$CONF_DIR/slurm.conf" &&
-        timeout 10 sinfo -h >/dev/null 2>&1; then
-        die "a cluster configured by another state dir is running; run 'down' for it first"
+    # Refuse to reconfigure a cluster that another state dir is running
+    # (checked by its pidfile: sinfo takes ~10 s to give up when nothing runs).
+    local other
+    other=$(sed -n 's/^SlurmctldPidFile=//p' "$CONF_DIR/slurm.conf" 2>/dev/null || true)
+    if [[ -n $other && $other != "$RUN/slurmctld.pid" && -s $other ]] && pid_is "$(head -n1 "$other")" slurmctld; then
+        die "a cluster with state in ${other%/run/slurmctld.pid} is running; run 'down' for it first"
     fi
     local t0=$SECONDS
     install_packages
+    CONFIG_CHANGED=0
     write_config
+    if ((CONFIG_CHANGED)); then
+        # Running daemons would keep the old config: restart them (started again below).
+        stop_daemon slurmd
+        stop_daemon slurmctld
+        stop_daemon slurmdbd
+    fi
     start_munged
     start_mariadb
     start_slurmdbd
@@ -383,6 +407,7 @@ cmd_down() {
             log "cancelling jobs: $jobs"
             # shellcheck disable=SC2086
             scancel $jobs 2>/dev/null || true
+            # shellcheck disable=SC2016 # expanded by the inner bash, on each poll
             wait_for 30 "jobs to end" bash -c '[[ -z $(squeue -h -t R,CG,PD -o %i) ]]' || true
         fi
     fi
@@ -395,7 +420,8 @@ cmd_down() {
 }
 
 cmd_status() {
-    if timeout 10 sinfo -h -o '%P %T %D' 2>/dev/null | grep -q .; then
+    # scontrol ping fails at once when nothing listens; sinfo would retry ~10 s.
+    if scontrol ping >/dev/null 2>&1 && timeout 10 sinfo -h -o '%P %T %D' 2>/dev/null | grep -q .; then
         sinfo -h -o 'partition %P: %D node(s) %T'
         return 0
     fi

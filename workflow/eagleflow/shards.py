@@ -107,3 +107,45 @@ def manifest_frame(conversations: list[Conversation], shards: list[TokenShard]) 
             })
             i += 1
     return pd.DataFrame(rows)
+
+
+def shard_dataset(dataset_path, tokenizer_dir, tokens_dir, manifest_path, rejects_path,
+                  shard_size: int, max_length: int, on_bad_row: str, log=print) -> dict:
+    """Read, template, mask, truncate and shard a dataset; write token shards, manifest, rejects."""
+    from transformers import AutoTokenizer
+
+    from .conversations import BadRow, DatasetError, read_conversations
+    from .templating import tokenize_conversation, tokenizer_digest
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    conversations, bad = read_conversations(dataset_path)
+    kept, tokenized = [], []
+    for conv in conversations:
+        t = tokenize_conversation(tokenizer, conv.messages, max_length)
+        if not t.loss_mask.any():
+            bad.append(BadRow(conv.source_file, conv.source_row,
+                              f"no assistant tokens within the first {max_length} tokens", conv.sample_id))
+            continue
+        kept.append(conv)
+        tokenized.append(t)
+    bad.sort(key=lambda b: b.source_row)
+    if bad and on_bad_row == "error":
+        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
+    if not kept:
+        raise DatasetError(f"{dataset_path}: no usable conversations")
+    shards = build_shards(kept, tokenized, shard_size, tokenizer_digest(tokenizer))
+    tokens_dir = Path(tokens_dir)
+    tokens_dir.mkdir(parents=True, exist_ok=True)
+    for shard in shards:
+        write_token_shard(shard, tokens_dir / f"{shard.shard_id}.safetensors")
+    frame = manifest_frame(kept, shards)
+    tmp = Path(str(manifest_path) + ".tmp")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(manifest_path)
+    pd.DataFrame([{"source_file": b.source_file, "source_row": b.source_row, "reason": b.reason,
+                   "raw": b.raw} for b in bad], columns=["source_file", "source_row", "reason", "raw"]
+                 ).to_json(rejects_path, orient="records", lines=True)
+    summary = {"conversations": len(kept), "rejected": len(bad), "shards": len(shards),
+               "tokens": int(frame["n_tokens"].sum()), "loss_tokens": int(frame["n_loss_tokens"].sum())}
+    log(f"sharded {dataset_path}: {summary}" + (f"; {len(bad)} bad rows written to {rejects_path}" if bad else ""))
+    return summary

@@ -40,24 +40,34 @@ def tokenize_conversation(tokenizer, messages, max_length: int) -> Tokenized:
     return Tokenized(ids[:max_length], mask[:max_length])
 
 
-def _render(tokenizer, messages) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+def _render(tokenizer, messages, add_generation_prompt=False) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
     return list(out["input_ids"])
 
 
+def _extend(ids: list[int], full: list[int]) -> list[int]:
+    if full[: len(ids)] != ids:
+        raise ValueError(
+            "the chat template renders a conversation prefix differently once more turns "
+            "follow, so assistant masks cannot be taken from prefixes; use a template with "
+            "{% generation %} markers"
+        )
+    return full[len(ids):]
+
+
 def _prefix_diff_mask(tokenizer, messages):
+    """Mask = tokens an assistant turn adds beyond the generation prompt before it (the
+    assistant header stays unmasked, as with {% generation %} markers)."""
     ids: list[int] = []
     mask: list[int] = []
-    for i in range(len(messages)):
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and i > 0:
+            prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            mask += [0] * len(_extend(ids, prompt))
+            ids = prompt
         full = _render(tokenizer, messages[: i + 1])
-        if full[: len(ids)] != ids:
-            raise ValueError(
-                "the chat template renders a conversation prefix differently once more turns "
-                "follow, so assistant masks cannot be taken from prefixes; use a template with "
-                "{% generation %} markers"
-            )
-        added = full[len(ids):]
-        mask += [1 if messages[i]["role"] == "assistant" else 0] * len(added)
+        mask += [1 if message["role"] == "assistant" else 0] * len(_extend(ids, full))
         ids = full
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 

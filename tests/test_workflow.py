@@ -1,0 +1,72 @@
+"""The workflow itself: config validation (fast) and the whole extraction through real vLLM."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from safetensors import safe_open
+
+from workflow_runner import SMALL, snakemake
+
+
+def test_unknown_config_key_stops_the_run_naming_it(tmp_path):
+    proc = snakemake(tmp_path, "-n", "extract", config=["extract.tensor_paralel_size=2"], check=False)
+    assert proc.returncode != 0
+    assert "tensor_paralel_size" in proc.stderr + proc.stdout
+
+
+def test_bad_config_value_stops_the_run_naming_it(tmp_path):
+    proc = snakemake(tmp_path, "-n", "extract", config=["capture.strategy=guess"], check=False)
+    assert proc.returncode != 0
+    out = proc.stderr + proc.stdout
+    assert "guess" in out and "strategy" in out
+
+
+@pytest.fixture(scope="module")
+def extracted_workdir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    t0 = time.time()
+    snakemake(workdir, "extract", config=SMALL)
+    print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
+    return workdir
+
+
+def hidden_dir(workdir: Path) -> Path:
+    (fp_dir,) = [p for p in (workdir / "results" / "hidden").iterdir() if p.is_dir()]
+    return fp_dir
+
+
+@pytest.mark.vllm
+def test_extract_end_to_end_through_real_vllm(extracted_workdir):
+    fp_dir = hidden_dir(extracted_workdir)
+    summary = pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")
+    manifest = pd.read_parquet(extracted_workdir / "results" / "shards" / "manifest.parquet")
+    assert len(summary) == manifest["shard_id"].nunique() >= 4
+    assert summary["ok"].all()
+    assert summary["n_tokens"].sum() == manifest["n_tokens"].sum()
+    plan = json.loads((fp_dir / "capture_plan.json").read_text())
+    assert plan["strategy"] == "aux_layers" and plan["layer_ids"] == [2, 4, 5, 8]
+    shard_id = summary["shard_id"].iloc[0]
+    with safe_open(str(fp_dir / f"{shard_id}.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        assert json.loads(meta["layer_ids"]) == [2, 4, 5, 8]
+        assert meta["layer_id_convention"] == "vllm" and meta["fingerprint"] == fp_dir.name
+        hs = f.get_tensor("hidden_states")
+        assert hs.shape[1:] == (4, 256) and str(hs.dtype) == "torch.bfloat16"
+    log = (extracted_workdir / "results" / "logs" / "extract" / fp_dir.name / f"{shard_id}.log").read_text()
+    assert f"shard {shard_id}:" in log.splitlines()[-1] and "tok/s" in log.splitlines()[-1]
+    # No temporary or partial files are left behind.
+    assert not list(fp_dir.glob("*.tmp")) and not any((fp_dir / ".partial").glob("*/chunk-*"))
+
+
+@pytest.mark.vllm
+def test_rerun_does_nothing_even_after_touching_inputs(extracted_workdir):
+    later = time.time() + 5
+    for p in [extracted_workdir / "resources" / "data" / "bundled-chat.jsonl",
+              *(extracted_workdir / "resources" / "targets" / "tiny-deepseek-v3").iterdir()]:
+        os.utime(p, (later, later))
+    proc = snakemake(extracted_workdir, "extract", config=SMALL)
+    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]

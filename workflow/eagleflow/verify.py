@@ -1,0 +1,122 @@
+"""Verification of extracted shards.
+
+`verify_shard` reads everything (in row blocks, bounded memory): keys, shapes, dtypes,
+metadata, every value finite, no all-zero rows, input ids / loss mask / offsets identical to
+the tokenized shard. `cheap_check` reads only the file size and header and compares them with
+the extraction record; it is what every rerun can afford. `deep` adds a sha256 re-hash.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .safetensors_stream import file_sha256, read_header
+from .shards import TokenShard
+
+KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
+DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16"}
+ROW_BLOCK = 4096
+
+
+class ShardInvalid(ValueError):
+    pass
+
+
+def cheap_check(path: str | Path, record: dict, fingerprint: str) -> list[str]:
+    """Problems found from size and header alone (empty list = passes)."""
+    path = Path(path)
+    problems = []
+    if not path.is_file():
+        return [f"{path}: missing"]
+    size = path.stat().st_size
+    if size != record.get("bytes"):
+        problems.append(f"size {size} bytes, the extraction record says {record.get('bytes')} (truncated or replaced)")
+    try:
+        header, data_start = read_header(path)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        return problems + [f"unreadable header: {e}"]
+    meta = header.get("__metadata__", {})
+    if meta.get("fingerprint") != fingerprint:
+        problems.append(f"fingerprint {meta.get('fingerprint')!r} in the file, expected {fingerprint!r} (a file from another configuration)")
+    if meta.get("shard_id") != record.get("shard_id"):
+        problems.append(f"shard id {meta.get('shard_id')!r} in the file, expected {record.get('shard_id')!r}")
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if ends and data_start + max(ends) != size:
+        problems.append(f"header describes {data_start + max(ends)} bytes, file has {size}")
+    return problems
+
+
+def verify_shard(path: str | Path, tokens: TokenShard, record: dict, fingerprint: str,
+                 layer_ids: list[int], hidden_size: int, dtype: str, deep: bool = False) -> dict:
+    path = Path(path)
+    problems = cheap_check(path, record, fingerprint)
+    if deep and not problems:
+        digest = file_sha256(path)
+        if digest != record.get("sha256"):
+            problems.append(f"sha256 {digest[:16]}... differs from the recorded {str(record.get('sha256'))[:16]}... (content changed)")
+    if not problems:
+        problems += _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype)
+    return {
+        "shard_id": tokens.shard_id,
+        "path": str(path),
+        "ok": not problems,
+        "problems": problems,
+        "n_samples": len(tokens.sample_ids),
+        "n_tokens": int(len(tokens.input_ids)),
+        "bytes": record.get("bytes"),
+        "sha256": record.get("sha256"),
+        "deep": deep,
+    }
+
+
+def _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype) -> list[str]:
+    problems = []
+    header, _ = read_header(path)
+    keys = set(header) - {"__metadata__"}
+    if keys != KEYS:
+        return [f"tensors {sorted(keys)}, expected {sorted(KEYS)}"]
+    meta = header["__metadata__"]
+    T = len(tokens.input_ids)
+    expect = {
+        "hidden_states": ([T, len(layer_ids), hidden_size], DTYPE_NAMES[dtype]),
+        "input_ids": ([T], "I64"),
+        "loss_mask": ([T], "U8"),
+        "offsets": ([len(tokens.offsets)], "I64"),
+    }
+    for name, (shape, dt) in expect.items():
+        if header[name]["shape"] != shape or header[name]["dtype"] != dt:
+            problems.append(f"{name}: {header[name]['dtype']} {header[name]['shape']}, expected {dt} {shape}")
+    if json.loads(meta.get("layer_ids", "null")) != list(layer_ids):
+        problems.append(f"layer_ids {meta.get('layer_ids')} in the file, expected {layer_ids}")
+    if json.loads(meta.get("sample_ids", "null")) != tokens.sample_ids:
+        problems.append("sample_ids in the file differ from the tokenized shard's")
+    if problems:
+        return problems
+    with safe_open(str(path), framework="pt") as f:
+        if not np.array_equal(f.get_tensor("input_ids").numpy(), tokens.input_ids):
+            problems.append("input_ids differ from the tokenized shard's tokens")
+        if not np.array_equal(f.get_tensor("loss_mask").numpy(), tokens.loss_mask):
+            problems.append("loss_mask differs from the tokenized shard's")
+        offsets = f.get_tensor("offsets").numpy()
+        if not np.array_equal(offsets, tokens.offsets):
+            problems.append("offsets differ from the tokenized shard's")
+        if offsets[0] != 0 or offsets[-1] != T or np.any(np.diff(offsets) <= 0):
+            problems.append("offsets are not 0, strictly increasing, ending at the token count")
+        hs = f.get_slice("hidden_states")
+        for a in range(0, T, ROW_BLOCK):
+            block = hs[a:a + ROW_BLOCK].to(torch.float32)
+            if not torch.isfinite(block).all():
+                bad = int((~torch.isfinite(block)).any(dim=-1).any(dim=-1).nonzero()[0]) + a
+                problems.append(f"hidden_states: non-finite value at token {bad}")
+                break
+            zero_rows = (block == 0).all(dim=-1)
+            if zero_rows.any():
+                tok, layer = (int(x) for x in zero_rows.nonzero()[0])
+                problems.append(f"hidden_states: all-zero row at token {tok + a}, layer id {layer_ids[layer]}")
+                break
+    return problems

@@ -1,0 +1,111 @@
+import json
+import os
+import sys
+from functools import cache
+from pathlib import Path
+
+from snakemake.utils import validate
+
+# The eagleflow package: importable here and in every job (local, conda or SLURM).
+PACKAGE_DIR = str(Path(workflow.basedir) / "workflow")
+sys.path.insert(0, PACKAGE_DIR)
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        p for p in (PACKAGE_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+)
+
+from eagleflow.fingerprint import extraction_fingerprint, target_identity
+from eagleflow.layers import CONVENTION, resolve_layer_ids
+from eagleflow.target import TOKENIZER_FILES, read_target
+from eagleflow.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
+
+validate(config, workflow.source_path("../schemas/config.schema.yaml"))
+
+R = config["results_dir"]
+TARGET = config["target"]["path"]
+TINY_TARGET = "resources/targets/tiny-deepseek-v3"
+BUNDLED_DATA = "resources/data/bundled-chat.jsonl"
+HIDDEN = f"{R}/hidden/{{fp}}"
+CONDA_ENV = "../../envs/vllm-cuda.yaml"
+
+
+wildcard_constraints:
+    fp="[0-9a-f]{16}",
+    shard="[0-9a-f]{20}",
+
+
+def tokenizer_files(wildcards=None):
+    """The target's tokenizer and chat template files (the embedded target's are built here)."""
+    if TARGET == TINY_TARGET:
+        return [f"{TINY_TARGET}/{name}" for name in TINY_TOKENIZER_FILES]
+    return [str(p) for p in sorted(Path(TARGET).iterdir()) if p.name in TOKENIZER_FILES]
+
+
+@cache
+def layer_ids():
+    info = read_target(TARGET)
+    return resolve_layer_ids(
+        config["capture"]["layer_ids"],
+        config["capture"]["layer_id_convention"],
+        info.num_layers,
+    )
+
+
+@cache
+def fingerprint():
+    """(fingerprint, record) of the extraction; cheap: config, tokenizer, weight headers."""
+    from eagleflow.capture import vllm_version
+
+    ident = target_identity(TARGET, config["target"]["revision"])
+    return extraction_fingerprint(
+        ident,
+        layer_ids(),
+        CONVENTION,
+        config["data"]["max_length"],
+        config["extract"]["dtype"],
+        config["capture"]["strategy"],
+        vllm_version(),
+    )
+
+
+def shard_manifest(wildcards=None):
+    return checkpoints.shard.get().output.manifest
+
+
+def shard_ids():
+    import pandas as pd
+
+    return sorted(
+        pd.read_parquet(shard_manifest(), columns=["shard_id"])["shard_id"].unique()
+    )
+
+
+def hidden_dir(wildcards=None):
+    # Sharding needs the target's tokenizer, so once the shard checkpoint is done the
+    # target exists (the embedded one is built first) and can be fingerprinted.
+    shard_manifest()
+    return HIDDEN.format(fp=fingerprint()[0])
+
+
+def extraction_summary(wildcards):
+    return f"{hidden_dir()}/verify_summary.tsv"
+
+
+def fingerprint_record(fp):
+    current, record = fingerprint()
+    if fp != current:
+        raise ValueError(
+            f"{R}/hidden/{fp}: this fingerprint is not the current configuration's ({current}); "
+            "its record cannot be rewritten from here"
+        )
+    return record
+
+
+def per_shard(suffix):
+    """Input function: `<hidden dir>/<shard><suffix>` for every shard of the manifest."""
+
+    def files(wildcards):
+        return [f"{R}/hidden/{wildcards.fp}/{shard}{suffix}" for shard in shard_ids()]
+
+    return files

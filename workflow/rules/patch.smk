@@ -1,0 +1,36 @@
+# The capture plan: how hidden states are taken out of the installed vLLM, checked before
+# any weights load.
+
+
+rule fingerprint:
+    output:
+        f"{HIDDEN}/fingerprint.json",
+    log:
+        f"{R}/logs/fingerprint/{{fp}}.log",
+    benchmark:
+        f"{R}/benchmarks/fingerprint/{{fp}}.tsv"
+    conda:
+        CONDA_ENV
+    params:
+        record=lambda wc: fingerprint_record(wc.fp),
+    script:
+        "../scripts/write_json.py"
+
+
+rule patch:
+    input:
+        ancient(f"{HIDDEN}/fingerprint.json"),
+        validated=f"{HIDDEN}/validate_env.json",
+    output:
+        f"{HIDDEN}/capture_plan.json",
+    log:
+        f"{R}/logs/patch/{{fp}}.log",
+    benchmark:
+        f"{R}/benchmarks/patch/{{fp}}.tsv"
+    conda:
+        CONDA_ENV
+    params:
+        target=TARGET,
+        capture=config["capture"],
+    script:
+        "../scripts/patch.py"

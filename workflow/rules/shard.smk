@@ -1,0 +1,24 @@
+# Tokenize the dataset with the target's chat template and cut it into content-addressed shards.
+
+
+checkpoint shard:
+    input:
+        data=config["data"]["path"],
+        tokenizer=tokenizer_files,
+    output:
+        manifest=f"{R}/shards/manifest.parquet",
+        tokens=directory(f"{R}/shards/tokens"),
+        rejects=f"{R}/shards/rejects.jsonl",
+    log:
+        f"{R}/logs/shard.log",
+    benchmark:
+        f"{R}/benchmarks/shard.tsv"
+    conda:
+        CONDA_ENV
+    params:
+        target=TARGET,
+        shard_size=config["data"]["shard_size"],
+        max_length=config["data"]["max_length"],
+        on_bad_row=config["data"]["on_bad_row"],
+    script:
+        "../scripts/shard.py"

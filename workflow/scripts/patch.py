@@ -1,0 +1,18 @@
+import json
+
+from eagleflow.capture import make_plan
+from eagleflow.layers import resolve_layer_ids
+from eagleflow.logs import redirect_to_log
+from eagleflow.target import read_target
+
+with redirect_to_log(snakemake.log[0]):
+    info = read_target(snakemake.params.target)
+    cap = snakemake.params.capture
+    ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
+    plan = make_plan(info, ids, cap["strategy"])
+    plan["fingerprint"] = snakemake.wildcards.fp
+    with open(snakemake.output[0], "w") as f:
+        json.dump(plan, f, indent=1)
+    print(f"capture plan: strategy {plan['strategy']}, layer ids {plan['layer_ids']} ({plan['layer_id_convention']})")
+    for check in plan["checks_passed"]:
+        print(f"[ok] {check}")

@@ -1,0 +1,14 @@
+from eagleflow.logs import redirect_to_log
+from eagleflow.shards import shard_dataset
+
+with redirect_to_log(snakemake.log[0]):
+    shard_dataset(
+        snakemake.input.data,
+        snakemake.params.target,
+        snakemake.output.tokens,
+        snakemake.output.manifest,
+        snakemake.output.rejects,
+        shard_size=snakemake.params.shard_size,
+        max_length=snakemake.params.max_length,
+        on_bad_row=snakemake.params.on_bad_row,
+    )
