@@ -13,13 +13,13 @@ from workflow_runner import SMALL, snakemake
 
 
 def test_unknown_config_key_stops_the_run_naming_it(tmp_path):
-    proc = snakemake(tmp_path, "-n", "extract", config=["extract.tensor_paralel_size=2"], check=False)
+    proc = snakemake(tmp_path, "-n", "extract", config={"extract": {"tensor_paralel_size": 2}}, check=False)
     assert proc.returncode != 0
     assert "tensor_paralel_size" in proc.stderr + proc.stdout
 
 
 def test_bad_config_value_stops_the_run_naming_it(tmp_path):
-    proc = snakemake(tmp_path, "-n", "extract", config=["capture.strategy=guess"], check=False)
+    proc = snakemake(tmp_path, "-n", "extract", config={"capture": {"strategy": "guess"}}, check=False)
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
     assert "guess" in out and "strategy" in out

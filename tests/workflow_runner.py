@@ -5,18 +5,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 # Small enough for CI (4 shards of 100 conversations), large enough to exercise caching.
-SMALL = ["data.bundled_conversations=400", "data.shard_size=100"]
+SMALL = {"data": {"bundled_conversations": 400, "shard_size": 100}}
 
 
-def snakemake(workdir: Path, *args, config=(), check=True, timeout=1800, env=None):
+def merged(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merged(base.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def write_config(workdir: Path, override: dict) -> Path:
+    """The default config with `override` merged in, written into the run's directory."""
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    path = Path(workdir) / "test-config.yaml"
+    path.write_text(yaml.safe_dump(merged(base, override)))
+    return path
+
+
+def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=None):
+    configfile = write_config(workdir, config or {})
     cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(REPO / "config" / "config.yaml"), "--cores", "2", *args]
-    if config:
-        cmd += ["--config", *config]
+           "--configfile", str(configfile), "--cores", "2", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:

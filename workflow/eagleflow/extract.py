@@ -124,6 +124,16 @@ def start_engine(settings: EngineSettings):
     return LLM(**kwargs)
 
 
+def stop_engine(llm) -> None:
+    """Shut the engine down now, so its processes' last words land before the job's summary
+    line (and their memory is free for assembling the shard)."""
+    try:
+        llm.collective_rpc("eagleflow_uninstall")
+    finally:
+        # LLM has no public shutdown in vLLM 0.32; the engine-core client's is what __del__ uses.
+        llm.llm_engine.engine_core.shutdown()
+
+
 def chunk_path(partial_dir: Path, i: int) -> Path:
     return partial_dir / f"chunk-{i:05d}.safetensors"
 
@@ -187,7 +197,10 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
             with timings.phase("engine_start"):
                 llm = start_engine(settings)
                 llm.collective_rpc("eagleflow_install", args=(plan,))
-            tokens_done = _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings, log)
+            try:
+                tokens_done = _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings, log)
+            finally:
+                stop_engine(llm)
         with timings.phase("assemble"):
             sha, size = assemble_shard(shard, ranges, partial_dir, plan, fingerprint, out_path)
     shutil.rmtree(partial_dir, ignore_errors=True)

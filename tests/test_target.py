@@ -1,0 +1,77 @@
+"""Reading real targets' configs without weights: DeepSeek-V3, Kimi-K2, Kimi-K2.5's wrapper."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from eagleflow.layers import resolve_layer_ids
+from eagleflow.target import TargetError, bytes_per_weight, count_parameters, read_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+    n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, first_k_dense_replace=3, topk_method="noaux_tc",
+    scoring_func="sigmoid", quantization_config={"quant_method": "fp8"},
+)
+KIMI_K2 = {**DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "n_routed_experts": 384,
+           "first_k_dense_replace": 1, "quantization_config": None}
+KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "vision_config": {"hidden_size": 1152},
+            "text_config": {**{k: v for k, v in KIMI_K2.items() if k != "architectures"}, "model_type": "kimi_k2",
+                            "quantization_config": {"quant_method": "compressed-tensors",
+                                                    "config_groups": {"g0": {"weights": {"num_bits": 4}}}}}}
+
+
+def target(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return read_target(tmp_path)
+
+
+@pytest.mark.parametrize("cfg, billions", [(DEEPSEEK_V3, 671.0), (KIMI_K2, 1026.4)])
+def test_parameter_counts_match_the_published_sizes(tmp_path, cfg, billions):
+    # DeepSeek-V3: 671B (without its MTP module); Kimi-K2: "1T" (1.03e12).
+    assert count_parameters(target(tmp_path, cfg)) / 1e9 == pytest.approx(billions, rel=1e-3)
+
+
+def test_kimi_k25_text_model_is_found_under_its_wrapper(tmp_path):
+    info = target(tmp_path, KIMI_K25)
+    assert info.wrapper == "KimiK25ForConditionalGeneration"
+    assert info.architecture == "DeepseekV3ForCausalLM" and info.is_mla
+    assert (info.num_layers, info.hidden_size) == (61, 7168)
+    assert resolve_layer_ids(None, "vllm", info.num_layers) == [2, 30, 58, 61]
+    assert bytes_per_weight(info.text_config) == 0.5
+    assert bytes_per_weight(DEEPSEEK_V3) == 1.0
+
+
+def test_missing_or_broken_config_is_named(tmp_path):
+    with pytest.raises(TargetError, match="config.json: not found; set `target.path`"):
+        read_target(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(TargetError, match="not valid JSON"):
+        read_target(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/kimi-k2.5-tp8.yaml",
+                                  "config/examples/deepseek-v3-tp8.yaml"])
+def test_shipped_configs_validate_against_the_schema(name):
+    cfg = yaml.safe_load((REPO / name).read_text())
+    validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert cfg["extract"]["tensor_parallel_size"] == (1 if name == "config/config.yaml" else 8)
+
+
+def test_every_schema_key_has_a_default_and_a_description():
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+
+    def walk(props, path):
+        for key, spec in props.items():
+            assert "description" in spec, f"{path}{key} lacks a description"
+            assert "default" in spec, f"{path}{key} lacks a default"
+            walk(spec.get("properties", {}), f"{path}{key}.")
+
+    walk(schema["properties"], "")
