@@ -12,6 +12,9 @@ include: "workflow/rules/shard.smk"
 include: "workflow/rules/patch.smk"
 include: "workflow/rules/extract.smk"
 include: "workflow/rules/verify.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/reference.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:

@@ -7,6 +7,10 @@ root=$(dirname "$here")
 venv=${EAGLEFLOW_VENV:-$root/.venv}
 py=${PYTHON:-python3}
 
+# `snakemake --profile slurm` (README, "On a SLURM cluster"): link the profile where
+# Snakemake finds it; done on every run, also when the environment is up to date.
+bash "$here/link-slurm-profile.sh"
+
 stamp="$venv/.eagleflow-env-stamp"
 want=$(cat "$here/requirements-cpu.txt" "$here/constraints-cpu.txt" "$here/setup-cpu.sh" | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then

@@ -27,3 +27,18 @@ def write_jsonl(path: Path, rows) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def extracted_workdir(tmp_path_factory):
+    """The embedded default (small: 4 shards) extracted once through real vLLM, shared by tests
+    that only read it; tests that change it work on a copy (`copy_workdir`)."""
+    import time
+
+    from workflow_runner import SMALL, snakemake
+
+    workdir = tmp_path_factory.mktemp("run")
+    t0 = time.time()
+    snakemake(workdir, "extract", config=SMALL)
+    print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
+    return workdir

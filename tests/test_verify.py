@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagleflow.safetensors_stream import read_header
+from eagleflow.headers import read_header
 from eagleflow.verify import cheap_check, verify_shard
 from synthetic import FP, PLAN, make_extracted_shard, make_token_shards
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from safetensors import safe_open
 
-from workflow_runner import SMALL, snakemake
+from workflow_runner import SMALL, hidden_dir, snakemake
 
 
 def test_unknown_config_key_stops_the_run_naming_it(tmp_path):
@@ -23,20 +23,6 @@ def test_bad_config_value_stops_the_run_naming_it(tmp_path):
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
     assert "guess" in out and "strategy" in out
-
-
-@pytest.fixture(scope="module")
-def extracted_workdir(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    t0 = time.time()
-    snakemake(workdir, "extract", config=SMALL)
-    print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
-    return workdir
-
-
-def hidden_dir(workdir: Path) -> Path:
-    (fp_dir,) = [p for p in (workdir / "results" / "hidden").iterdir() if p.is_dir()]
-    return fp_dir
 
 
 @pytest.mark.vllm

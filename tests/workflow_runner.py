@@ -38,3 +38,34 @@ def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=N
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def hidden_dir(workdir: Path) -> Path:
+    """The single fingerprint directory of a run (fails if there are several)."""
+    (fp_dir,) = [p for p in (Path(workdir) / "results" / "hidden").iterdir() if p.is_dir()]
+    return fp_dir
+
+
+def copy_workdir(src: Path, dst: Path) -> Path:
+    """A copy of a finished run, mtimes and Snakemake's metadata included."""
+    import shutil
+
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def job_counts(output: str) -> dict:
+    """{rule: count} from the 'Job stats' table of a Snakemake run or dry run."""
+    counts, in_table = {}, False
+    for line in output.splitlines():
+        if line.startswith("Job stats:"):
+            in_table, counts = True, {}
+            continue
+        if in_table:
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                if parts[0] != "total":
+                    counts[parts[0]] = int(parts[1])
+            elif counts and not line.strip():
+                in_table = False
+    return counts

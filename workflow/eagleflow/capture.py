@@ -59,6 +59,11 @@ class CaptureCheckError(RuntimeError):
     pass
 
 
+def plan_path(results_dir: str, fingerprint: str) -> str:
+    """Where the `patch` rule writes the capture plan of an extraction fingerprint."""
+    return f"{results_dir}/hidden/{fingerprint}/capture_plan.json"
+
+
 def vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 
 from .layers import CONVENTION
-from .safetensors_stream import StreamingWriter, read_header
+from .headers import read_header
+from .safetensors_stream import StreamingWriter
 from .shards import read_token_shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,8 +176,10 @@ def shard_lock(partial_dir: Path, shard_id: str):
         os.close(fd)
 
 
-def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str, settings: EngineSettings,
-                  chunk_tokens: int, log=print) -> dict:
+def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str, record_path: str,
+                  settings: EngineSettings, chunk_tokens: int, log=print) -> dict:
+    """Extract one shard; write the shard file, then its record (both atomically), and only then
+    drop the committed chunks, so a kill at any point loses at most the chunk in flight."""
     shard = read_token_shard(tokens_path)
     out_path = Path(out_path)
     partial_dir = out_path.parent / ".partial" / shard.shard_id
@@ -203,7 +206,6 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
                 stop_engine(llm)
         with timings.phase("assemble"):
             sha, size = assemble_shard(shard, ranges, partial_dir, plan, fingerprint, out_path)
-    shutil.rmtree(partial_dir, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
     prefill = timings.seconds["prefill_and_capture"] + timings.seconds["commit_wait"]
     record = {
@@ -222,6 +224,10 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
         "tokens_per_second": round(tokens_done / prefill, 1) if prefill > 0 else None,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()} | {"total": round(elapsed, 3)},
     }
+    tmp = Path(str(record_path) + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, record_path)
+    shutil.rmtree(partial_dir, ignore_errors=True)
     return record
 
 

@@ -75,3 +75,17 @@ def extraction_fingerprint(identity: dict, layer_ids: list[int], convention: str
         f"name, size and sha256 of their first and last {SIGNATURE_BYTES} bytes, or by revision"
     )
     return _sha256(blob)[:16], record
+
+
+def config_fingerprint(config: dict) -> tuple[str, dict]:
+    """The fingerprint of a workflow configuration (what `common.smk` computes)."""
+    from .capture import vllm_version
+    from .layers import CONVENTION, resolve_layer_ids
+    from .target import read_target
+
+    target = config["target"]["path"]
+    info = read_target(target)
+    ids = resolve_layer_ids(config["capture"]["layer_ids"], config["capture"]["layer_id_convention"], info.num_layers)
+    return extraction_fingerprint(target_identity(target, config["target"]["revision"]), ids, CONVENTION,
+                                  config["data"]["max_length"], config["extract"]["dtype"],
+                                  config["capture"]["strategy"], vllm_version())

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+
 DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
           torch.int64: "I64", torch.uint8: "U8", torch.int32: "I32"}
 
@@ -80,26 +81,3 @@ class StreamingWriter:
     def abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def read_header(path: str | Path) -> tuple[dict, int]:
-    """The JSON header and the byte offset where data starts (reads only the header)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise ValueError(f"{path}: implausible header length {n}")
-        blob = f.read(n)
-        if len(blob) != n:
-            raise ValueError(f"{path}: truncated header")
-    return json.loads(blob), 8 + n
-
-
-def file_sha256(path: str | Path, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()

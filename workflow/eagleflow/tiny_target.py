@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 # `{% generation %}` marks what `return_assistant_tokens_mask` reports as assistant tokens.
@@ -99,6 +97,7 @@ def tiny_config(vocab_size: int, tokenizer, **overrides):
 
 def build_tiny_target(corpus_texts: list[str], out_dir: str | Path, seed: int = 0,
                       vocab_size: int = 1024, **arch_overrides) -> Path:
+    import torch
     from transformers import DeepseekV3ForCausalLM
 
     out_dir = Path(out_dir)

@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .layers import resolve_layer_ids
-from .safetensors_stream import read_header
+from .headers import read_header
 from .target import TargetError, bytes_per_weight, count_parameters, read_target, weight_files
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2}

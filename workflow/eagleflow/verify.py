@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .safetensors_stream import file_sha256, read_header
+from .headers import cheap_check, file_sha256, read_header
 from .shards import TokenShard
 
 KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
@@ -25,30 +25,6 @@ ROW_BLOCK = 4096
 
 class ShardInvalid(ValueError):
     pass
-
-
-def cheap_check(path: str | Path, record: dict, fingerprint: str) -> list[str]:
-    """Problems found from size and header alone (empty list = passes)."""
-    path = Path(path)
-    problems = []
-    if not path.is_file():
-        return [f"{path}: missing"]
-    size = path.stat().st_size
-    if size != record.get("bytes"):
-        problems.append(f"size {size} bytes, the extraction record says {record.get('bytes')} (truncated or replaced)")
-    try:
-        header, data_start = read_header(path)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
-        return problems + [f"unreadable header: {e}"]
-    meta = header.get("__metadata__", {})
-    if meta.get("fingerprint") != fingerprint:
-        problems.append(f"fingerprint {meta.get('fingerprint')!r} in the file, expected {fingerprint!r} (a file from another configuration)")
-    if meta.get("shard_id") != record.get("shard_id"):
-        problems.append(f"shard id {meta.get('shard_id')!r} in the file, expected {record.get('shard_id')!r}")
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if ends and data_start + max(ends) != size:
-        problems.append(f"header describes {data_start + max(ends)} bytes, file has {size}")
-    return problems
 
 
 def verify_shard(path: str | Path, tokens: TokenShard, record: dict, fingerprint: str,

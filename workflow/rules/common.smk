@@ -15,8 +15,9 @@ os.environ.update(
     )
 )
 
-from eagleflow.fingerprint import extraction_fingerprint, target_identity
-from eagleflow.layers import CONVENTION, resolve_layer_ids
+from eagleflow.integrity import check_finished_shards
+from eagleflow.fingerprint import config_fingerprint
+from eagleflow.layers import resolve_layer_ids
 from eagleflow.target import TOKENIZER_FILES, read_target
 from eagleflow.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
 
@@ -55,18 +56,7 @@ def layer_ids():
 @cache
 def fingerprint():
     """(fingerprint, record) of the extraction; cheap: config, tokenizer, weight headers."""
-    from eagleflow.capture import vllm_version
-
-    ident = target_identity(TARGET, config["target"]["revision"])
-    return extraction_fingerprint(
-        ident,
-        layer_ids(),
-        CONVENTION,
-        config["data"]["max_length"],
-        config["extract"]["dtype"],
-        config["capture"]["strategy"],
-        vllm_version(),
-    )
+    return config_fingerprint(config)
 
 
 def shard_manifest(wildcards=None):
@@ -79,6 +69,17 @@ def shard_ids():
     return sorted(
         pd.read_parquet(shard_manifest(), columns=["shard_id"])["shard_id"].unique()
     )
+
+
+@cache
+def checked_shard_ids(fp):
+    """Shard ids, after the cheap integrity check of every finished shard (once per run)."""
+    ids = shard_ids()
+    if fp == fingerprint()[0]:
+        check_finished_shards(
+            HIDDEN.format(fp=fp), ids, fp, log=lambda m: print(m, file=sys.stderr)
+        )
+    return ids
 
 
 def hidden_dir(wildcards=None):
@@ -102,10 +103,26 @@ def fingerprint_record(fp):
     return record
 
 
+def shard_files(fp, suffix):
+    # Every per-shard job list waits for the capture plan (see extract.smk).
+    checkpoints.patch.get(fp=fp)
+    return [f"{R}/hidden/{fp}/{shard}{suffix}" for shard in checked_shard_ids(fp)]
+
+
 def per_shard(suffix):
-    """Input function: `<hidden dir>/<shard><suffix>` for every shard of the manifest."""
+    """Input function: `<hidden dir>/<shard><suffix>` for every shard, for the wildcard fp."""
+    return lambda wildcards: shard_files(wildcards.fp, suffix)
+
+
+def current_shard_files(suffix):
+    """Input function: the same for the current configuration's fingerprint."""
 
     def files(wildcards):
-        return [f"{R}/hidden/{wildcards.fp}/{shard}{suffix}" for shard in shard_ids()]
+        hidden_dir()  # the target exists once sharding is done
+        return shard_files(fingerprint()[0], suffix)
 
     return files
+
+
+# Per-rule cluster resources (GPUs, CPUs, memory, runtime) and where device checks run.
+include: "resources.smk"

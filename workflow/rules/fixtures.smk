@@ -1,4 +1,10 @@
 # The embedded default: a bundled chat dataset and a tiny DeepseekV3 target, both built here.
+# Seconds of work each: on a cluster they run where Snakemake runs, not as jobs.
+
+
+localrules:
+    bundled_dataset,
+    tiny_target,
 
 
 rule bundled_dataset:

@@ -1,5 +1,10 @@
 # The capture plan: how hidden states are taken out of the installed vLLM, checked before
-# any weights load.
+# any weights load. The fingerprint is a few small reads (local on a cluster); the plan
+# introspects the vLLM of the job environment, so it is a small job.
+
+
+localrules:
+    fingerprint,
 
 
 rule fingerprint:
@@ -17,7 +22,7 @@ rule fingerprint:
         "../scripts/write_json.py"
 
 
-rule patch:
+checkpoint patch:
     input:
         ancient(f"{HIDDEN}/fingerprint.json"),
         validated=f"{HIDDEN}/validate_env.json",
@@ -29,6 +34,9 @@ rule patch:
         f"{R}/benchmarks/patch/{{fp}}.tsv"
     conda:
         CONDA_ENV
+    resources:
+        mem_mb=8000,
+        runtime=lambda wildcards, attempt: 15 * attempt,
     params:
         target=TARGET,
         capture=config["capture"],

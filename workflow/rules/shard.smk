@@ -15,6 +15,9 @@ checkpoint shard:
         f"{R}/benchmarks/shard.tsv"
     conda:
         CONDA_ENV
+    resources:
+        mem_mb=16000,
+        runtime=lambda wildcards, attempt: 60 * attempt,
     params:
         target=TARGET,
         shard_size=config["data"]["shard_size"],

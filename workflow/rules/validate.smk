@@ -1,4 +1,10 @@
 # Fail fast, before any model loads: versions, devices, memory, disk, model config, layer ids.
+# Local on a cluster (the login node has no GPUs): there the device and memory checks are
+# left to each extract job, which runs them before loading the model.
+
+
+localrules:
+    validate_env,
 
 
 rule validate_env:
@@ -13,9 +19,21 @@ rule validate_env:
         f"{R}/benchmarks/validate_env/{{fp}}.tsv"
     conda:
         CONDA_ENV
+    resources:
+        # A resource, not a param: where jobs run must not trigger a rerun.
+        device_checks=lambda wildcards: int(device_checks_here()),
     params:
         target=lambda wildcards, input: os.path.dirname(input.config),
-        extract=config["extract"],
+        extract={
+            k: config["extract"][k]
+            for k in (
+                "device",
+                "tensor_parallel_size",
+                "dtype",
+                "cpu_kvcache_space_gib",
+                "gpu_memory_utilization",
+            )
+        },
         capture=config["capture"],
         results_dir=lambda wildcards, output: str(Path(output[0]).parents[2]),
     script:

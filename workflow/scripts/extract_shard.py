@@ -1,13 +1,32 @@
 import json
+import sys
 
 from eagleflow.extract import EngineSettings, extract_shard
+from eagleflow.capture import plan_path
 from eagleflow.logs import redirect_to_log
+
+
+def check_devices_here(settings, ext):
+    """Device and memory checks where the job runs (validate_env may have run on a login node),
+    for the configured device: a job given GPUs by SLURM still runs on `extract.device`."""
+    from eagleflow.target import bytes_per_weight, count_parameters, read_target
+    from eagleflow.validate_env import check_devices
+
+    info = read_target(settings.target)
+    weight_bytes = int(count_parameters(info) * bytes_per_weight(info.text_config))
+    checks = check_devices(settings.device, settings.tensor_parallel_size, weight_bytes,
+                           ext["cpu_kvcache_space_gib"], ext["gpu_memory_utilization"])
+    for check in checks:
+        print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}")
+    failed = [c.detail for c in checks if not c.ok]
+    if failed:
+        sys.exit(failed[0])
 
 
 def main():
     ext = snakemake.config["extract"]
     settings = EngineSettings(
-        target=snakemake.params.target,
+        target=snakemake.config["target"]["path"],
         device=ext["device"],
         tensor_parallel_size=ext["tensor_parallel_size"],
         dtype=ext["dtype"],
@@ -17,19 +36,14 @@ def main():
         cpu_kvcache_space_gib=ext["cpu_kvcache_space_gib"],
         cpu_threads_bind=ext["cpu_threads_bind"],
     )
-    with open(snakemake.input.plan) as f:
+    with open(plan_path(snakemake.config["results_dir"], snakemake.wildcards.fp)) as f:
         plan = json.load(f)
     with redirect_to_log(snakemake.log[0]):
+        check_devices_here(settings, ext)
         record = extract_shard(
-            snakemake.input.tokens, plan, snakemake.wildcards.fp, snakemake.output.hidden, settings,
-            chunk_tokens=ext["chunk_tokens"],
+            snakemake.input.tokens, plan, snakemake.wildcards.fp, snakemake.output.hidden,
+            snakemake.output.record, settings, chunk_tokens=ext["chunk_tokens"],
         )
-        tmp = snakemake.output.record + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
-        import os
-
-        os.replace(tmp, snakemake.output.record)
         print(
             f"shard {record['shard_id']}: {record['n_tokens']} tokens, "
             f"{record['tokens_per_second']} tok/s, {record['bytes']} bytes, model loaded: {record['model_loaded']}"

@@ -1,12 +1,13 @@
 import json
 import sys
 
+from eagleflow.capture import plan_path
 from eagleflow.logs import redirect_to_log
 from eagleflow.shards import read_token_shard
 from eagleflow.verify import verify_shard
 
 with redirect_to_log(snakemake.log[0]):
-    with open(snakemake.input.plan) as f:
+    with open(plan_path(snakemake.config["results_dir"], snakemake.wildcards.fp)) as f:
         plan = json.load(f)
     with open(snakemake.input.record) as f:
         record = json.load(f)

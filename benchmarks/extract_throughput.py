@@ -1,0 +1,185 @@
+"""Extraction throughput against the engine's own limit, side by side, in one invocation.
+
+On the same target, samples and engine settings (one engine, so start-up is paid once and
+reported apart), alternating at least three times each and compared by medians:
+  1. plain vLLM prefill of the shard's samples (`max_tokens=1`, no capture): the engine's limit;
+  2. eagleflow's extraction of the same samples: capture, chunk commits and the shard file.
+Prints tokens per second for each, their ratio (last line `ratio=<value>`), bytes written per
+second, where the extraction's wall time went, and the peak resident memory of the whole
+process tree (driver, engine, workers) while extracting a shard and one four times larger.
+
+The target is the embedded architecture (DeepseekV3, MLA + MoE) at a larger hidden size,
+built by the same fixture code, so compute dominates Python overhead.
+
+Usage: .venv/bin/python benchmarks/extract_throughput.py [--tokens 8000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+import psutil  # noqa: E402  (a vLLM dependency)
+
+from eagleflow.bundled_data import generate_conversations  # noqa: E402
+from eagleflow.capture import make_plan  # noqa: E402
+from eagleflow.conversations import Conversation  # noqa: E402
+from eagleflow.extract import EngineSettings, Timings, _run_chunks, assemble_shard, chunk_ranges, start_engine  # noqa: E402
+from eagleflow.layers import default_layer_ids  # noqa: E402
+from eagleflow.shards import build_shards  # noqa: E402
+from eagleflow.target import count_parameters, read_target  # noqa: E402
+from eagleflow.templating import tokenize_conversation, tokenizer_digest  # noqa: E402
+from eagleflow.tiny_target import build_tiny_target  # noqa: E402
+
+# The embedded architecture, four times wider (MLA latent sizes stay what the CPU kernel needs).
+BENCH_ARCH = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+                  num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256)
+
+
+class PeakRSS:
+    """Samples the summed RSS of this process and all its descendants."""
+
+    def __init__(self, interval=0.05):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    def _sample(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.peak = 0
+        self._stop.clear()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def make_shard(tokenizer, n_tokens: int, seed: int):
+    """Bundled conversations, several joined per sample (100-600 tokens), up to n_tokens."""
+    rows = generate_conversations(4 * n_tokens // 25, seed)
+    convs, i = [], 0
+    while i < len(rows) and sum(len(c) for c in convs) < n_tokens * 4:
+        k = 4 + (i % 17)
+        msgs = [m for r in rows[i:i + k] for m in r["messages"]]
+        convs.append(Conversation(f"bench-{seed}-{i}", tuple(msgs), "bench", i))
+        i += k
+    toks, kept, total = [], [], 0
+    for c in convs:
+        t = tokenize_conversation(tokenizer, c.messages, 600)
+        if total + len(t.input_ids) > n_tokens:
+            break
+        toks.append(t)
+        kept.append(c)
+        total += len(t.input_ids)
+    return build_shards(kept, toks, len(kept), tokenizer_digest(tokenizer))[0]
+
+
+def plain_prefill(llm, shard) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=shard.sample(j)[0].tolist()) for j in range(len(shard.sample_ids))]
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def eagleflow_extract(llm, shard, plan, workdir: Path, chunk_tokens: int):
+    partial = workdir / ".partial" / shard.shard_id
+    shutil.rmtree(workdir, ignore_errors=True)
+    partial.mkdir(parents=True)
+    ranges = chunk_ranges(shard.offsets, chunk_tokens)
+    timings = Timings()
+    t0 = time.perf_counter()
+    _run_chunks(llm, shard, ranges, list(range(len(ranges))), partial, plan, "bench", timings, lambda m: None)
+    with timings.phase("assemble"):
+        sha, size = assemble_shard(shard, ranges, partial, plan, "bench", workdir / f"{shard.shard_id}.safetensors")
+    return time.perf_counter() - t0, size, timings.seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8000, help="tokens in the small shard (the large one has 4x)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=4096)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/eagleflow-throughput-bench"))
+    args = ap.parse_args()
+    target = args.workdir / "target"
+    if not (target / "model.safetensors").exists():
+        rows = generate_conversations(3000)
+        build_tiny_target([m["content"] for r in rows for m in r["messages"]], target, **BENCH_ARCH)
+    info = read_target(target)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    shards = {"1x": make_shard(tokenizer, args.tokens, 1), "4x": make_shard(tokenizer, 4 * args.tokens, 2)}
+    plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
+    max_len = max(int(max(s.offsets[1:] - s.offsets[:-1])) for s in shards.values()) + 1
+    settings = EngineSettings(target=str(target), max_model_len=max_len, max_num_batched_tokens=8192)
+    print(f"target: DeepseekV3ForCausalLM, {info.num_layers} layers, hidden {info.hidden_size}, "
+          f"{count_parameters(info) / 1e6:.0f}M parameters (MLA, 8 routed + 1 shared experts), bf16, TP=1 CPU")
+    print(f"capture: layer ids {plan['layer_ids']}, strategy {plan['strategy']}, chunk_tokens {args.chunk_tokens}")
+    for name, s in shards.items():
+        lengths = s.offsets[1:] - s.offsets[:-1]
+        print(f"shard {name}: {len(s.sample_ids)} samples, {len(s.input_ids)} tokens "
+              f"({int(lengths.min())}-{int(lengths.max())} per sample)")
+    t0 = time.perf_counter()
+    llm = start_engine(settings)
+    llm.collective_rpc("eagleflow_install", args=(plan,))
+    print(f"engine start (paid once per job): {time.perf_counter() - t0:.1f} s")
+    # Warm-up, not measured: first calls allocate and fault in memory.
+    plain_prefill(llm, shards["1x"])
+    results = {}
+    for name, shard in shards.items():
+        n = len(shard.input_ids)
+        plain, ours, written, phases, peaks = [], [], [], [], []
+        for rep in range(args.repeats):
+            # The capture wrapper stays installed; plain runs just never commit. Its per-forward
+            # copy is part of eagleflow's cost, so plain runs without it:
+            llm.collective_rpc("eagleflow_uninstall")
+            plain.append(n / plain_prefill(llm, shard))
+            llm.collective_rpc("eagleflow_install", args=(plan,))
+            with PeakRSS() as mem:
+                seconds, size, ph = eagleflow_extract(llm, shard, plan, args.workdir / "out", args.chunk_tokens)
+            ours.append(n / seconds)
+            written.append(size / seconds)
+            phases.append(ph)
+            peaks.append(mem.peak)
+        p, o = statistics.median(plain), statistics.median(ours)
+        results[name] = {"tokens": n, "plain_tok_s": p, "eagleflow_tok_s": o, "ratio": o / p,
+                         "bytes_per_s": statistics.median(written), "peak_rss": max(peaks),
+                         "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]}}
+        print(f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
+              f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
+              f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB")
+        print("  where the extraction's time went (median s): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in results[name]["phases"].items()))
+    print("peak RSS, 4x shard vs 1x shard: "
+          f"{results['4x']['peak_rss'] / results['1x']['peak_rss']:.2f}")
+    (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"ratio={min(r['ratio'] for r in results.values()):.3f}")
+
+
+if __name__ == "__main__":
+    main()

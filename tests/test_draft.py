@@ -1,0 +1,304 @@
+"""Draft vocabulary, EAGLE-3 draft model, TTT trainer, export, and loading in vLLM.
+
+Unit tests run on a tiny synthetic target and synthetic shards (seconds); the `vllm` test
+exports a draft for the real embedded target and starts vLLM with it.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagleflow.draft_data import load_pack, make_packs, read_layout
+from eagleflow.draft_model import DraftConfig, Eagle3Draft
+from eagleflow.draft_vocab import build_draft_vocab, coverage, load_vocab, save_vocab, vocab_from_counts
+from eagleflow.export_draft import export_draft
+from eagleflow.train_draft import TrainConfig, load_trained, train
+
+REPO = Path(__file__).resolve().parents[1]
+H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
+LAYER_IDS = [1, 2, 3, L]
+
+
+# ---------------------------------------------------------------- fixtures: tiny target + shards
+
+def write_target(d: Path, seed=0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+              "hidden_size": H, "vocab_size": V, "num_hidden_layers": L, "intermediate_size": 64,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
+    (d / "config.json").write_text(json.dumps(config))
+    save_file({
+        "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
+        "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+        "lm_head.weight": torch.randn(V, H, generator=g).bfloat16(),
+        "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2).bfloat16(),  # never read
+    }, str(d / "model.safetensors"))
+    return d
+
+
+def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, vocab_hi=V):
+    """A shard whose final state is a function of the next token (so there is something to learn)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 14, (n_samples,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, vocab_hi, (n,), generator=g)
+    mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
+    table = torch.randn(V, len(layer_ids), H, generator=torch.Generator().manual_seed(99))
+    hidden = table[ids] + 0.05 * torch.randn(n, len(layer_ids), H, generator=g)
+    save_file({"hidden_states": hidden.bfloat16(), "input_ids": ids, "loss_mask": mask,
+               "offsets": offsets}, str(path), metadata={
+        "layer_ids": json.dumps(layer_ids), "layer_id_convention": "vllm",
+        "format": "eagleflow-hidden-v1", "fingerprint": "0" * 16,
+        "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)])})
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    target = write_target(tmp_path / "target")
+    shards = [write_shard(tmp_path / f"shard{i}.safetensors", 12, seed=i) for i in range(2)]
+    return target, shards
+
+
+# ---------------------------------------------------------------- vocabulary
+
+def test_vocab_picks_most_frequent_and_maps_round_trip():
+    counts = torch.tensor([0, 5, 1, 9, 0, 9, 2, 0])
+    v = vocab_from_counts(counts, 3)
+    assert v.target_ids.tolist() == [1, 3, 5]  # 9, 9, 5: the three most frequent, ascending
+    assert v.d2t.tolist() == [1, 2, 3]  # vLLM: target_id = draft_idx + d2t[draft_idx]
+    assert (torch.arange(3) + v.d2t).tolist() == v.t2d.nonzero().flatten().tolist()
+    assert v.t2d.tolist() == [False, True, False, True, False, True, False, False]
+    assert v.coverage == pytest.approx(23 / 26)
+    # ties broken by the lower id, size capped at the target vocabulary, unseen ids fill up
+    assert vocab_from_counts(torch.tensor([1, 1, 1]), 2).target_ids.tolist() == [0, 1]
+    full = vocab_from_counts(counts, 100)
+    assert full.size == 8 and full.coverage == 1.0 and full.d2t.abs().sum() == 0
+
+
+def test_vocab_counts_only_loss_masked_tokens(tmp_path):
+    p = tmp_path / "s.safetensors"
+    save_file({"input_ids": torch.tensor([7, 7, 7, 3, 3, 1]), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8),
+               "hidden_states": torch.zeros(6, 1, 2), "offsets": torch.tensor([0, 6])}, str(p))
+    v = build_draft_vocab([p], 8, 2)
+    assert v.target_ids.tolist() == [1, 3]  # 7 is frequent but never loss-masked
+    assert v.coverage == 1.0 and v.masked_tokens == 3
+    assert coverage(v, torch.tensor([0, 0, 0, 1, 0, 0, 0, 3])) == pytest.approx(0.25)
+    save_vocab(v, tmp_path / "vocab.safetensors")
+    back = load_vocab(tmp_path / "vocab.safetensors")
+    assert torch.equal(back.d2t, v.d2t) and torch.equal(back.t2d, v.t2d) and back.coverage == 1.0
+
+
+# ---------------------------------------------------------------- draft model
+
+def small_draft(num_aux=3, dv=16):
+    cfg = DraftConfig(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=V, draft_vocab_size=dv, num_aux=num_aux)
+    torch.manual_seed(0)
+    return Eagle3Draft(cfg)
+
+
+def test_draft_forward_shapes_and_frozen_embedding():
+    m = small_draft()
+    n, steps = 10, 3
+    logits = m(torch.randn(n, 3 * H), torch.randint(0, V, (steps, n)), torch.arange(n) + 1,
+               torch.tensor([0] * 6 + [1] * 4), steps)
+    assert len(logits) == steps and all(lg.shape == (n, 16) for lg in logits)
+    assert m.layers[0].self_attn.q_proj.weight.shape == (4 * 8, 2 * H)  # reads cat(embed, hidden)
+    assert m.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 2 * H)
+    assert m.fc.weight.shape == (H, 3 * H)
+    assert not m.embed_tokens.weight.requires_grad
+
+
+def test_draft_attention_is_causal_within_a_sample():
+    m = small_draft()
+    n = 8
+    aux, tokens = torch.randn(n, 3 * H), torch.randint(0, V, (2, n))
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    pos = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4])
+    base = m(aux, tokens, pos, doc, 2)
+    aux2 = aux.clone()
+    aux2[2] += 1.0  # change anchor 2 (sample 0)
+    moved = m(aux2, tokens, pos, doc, 2)
+    for k in range(2):
+        assert torch.allclose(base[k][:2], moved[k][:2])  # earlier anchors: unchanged
+        assert not torch.allclose(base[k][2:4], moved[k][2:4])  # later anchors: changed
+        assert torch.allclose(base[k][4:], moved[k][4:])  # the other sample: unchanged
+    # step 0 of the second sample equals that sample run alone (no leak across samples)
+    alone = m(aux[4:], tokens[:, 4:], pos[4:], doc[4:], 2)
+    assert torch.allclose(alone[0], base[0][4:], atol=1e-5)
+
+
+def test_batch_alignment_matches_speculators_shift(tiny):
+    target, shards = tiny
+    layout = read_layout(shards, L)
+    assert layout.aux_ids == [1, 2, 3] and layout.final_id == L
+    pack = make_packs(layout.paths, 10_000)[0]
+    b = load_pack(layout, pack, 3)
+    with safe_open(str(shards[0]), framework="pt") as f:
+        ids, mask, offsets = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
+        hidden = f.get_tensor("hidden_states").float()
+    end0 = int(offsets[1])
+    t = 2  # an anchor inside sample 0
+    assert torch.equal(b.aux[t], hidden[t, :3].flatten())
+    for k in range(3):
+        assert b.tokens[k, t] == ids[t + 1 + k]
+        assert b.target_index[k, t] == t + 1 + k
+        assert bool(b.valid[k, t]) == bool(mask[t + 1 + k])
+    assert not b.valid[:, end0 - 1].any()  # the last token of a sample has no next token
+    assert b.positions[end0] == 1 and b.positions[t] == t + 1
+
+
+# ---------------------------------------------------------------- training
+
+def run_train(tiny, out, steps, stop_after=None, ckpt_every=4, seed=0, lr=3e-3):
+    target, shards = tiny
+    vocab = build_draft_vocab(shards, V, 48)
+    cfg = TrainConfig(steps=steps, ttt_steps=3, lr=lr, warmup_steps=2, max_tokens=64,
+                      ckpt_every=ckpt_every, seed=seed, device="cpu")
+    overrides = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return train(shards, target, vocab, out, cfg, overrides, stop_after=stop_after)
+
+
+def test_ttt_loss_decreases(tiny, tmp_path):
+    run_train(tiny, tmp_path / "run", steps=60, ckpt_every=60, lr=1e-2)
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    assert len(rows) == 60
+    first = sum(float(r["loss"]) for r in rows[:5]) / 5
+    last = sum(float(r["loss"]) for r in rows[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert float(rows[-1]["acc_0"]) > float(rows[0]["acc_0"]) + 0.2
+    for k in range(3):  # every TTT step learns
+        assert float(rows[-1][f"loss_{k}"]) < float(rows[0][f"loss_{k}"])
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
+    run_train(tiny, tmp_path / "straight", steps=10)
+    # "crash" after step 7: the last checkpoint is step 4, steps 5-7 are lost and redone
+    first = run_train(tiny, tmp_path / "crashed", steps=10, stop_after=7)
+    assert first["end_step"] == 7
+    assert torch.load(tmp_path / "crashed" / "checkpoint.pt", weights_only=False)["step"] == 4
+    second = run_train(tiny, tmp_path / "crashed", steps=10)
+    assert second["start_step"] == 4
+    a, _ = load_trained(tmp_path / "straight")
+    b, _ = load_trained(tmp_path / "crashed")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    rows_a = list(csv.DictReader(open(tmp_path / "straight" / "metrics.csv")))
+    rows_b = list(csv.DictReader(open(tmp_path / "crashed" / "metrics.csv")))
+    assert [r["step"] for r in rows_b] == [str(i) for i in range(1, 11)]
+    assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
+    # a different seed is a different run
+    run_train(tiny, tmp_path / "seed1", steps=10, seed=1)
+    c, _ = load_trained(tmp_path / "seed1")
+    assert not torch.equal(a.fc.weight, c.fc.weight)
+
+
+# ---------------------------------------------------------------- export
+
+# What vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a one-layer llama draft
+# with a pruned vocabulary (speculators names; `model.` is prepended, q/k/v and gate/up stacked).
+VLLM_EAGLE3_NAMES = {
+    "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+}
+
+
+def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
+    target, shards = tiny
+    run_train(tiny, tmp_path / "run", steps=2, ckpt_every=2)
+    draft, ckpt = load_trained(tmp_path / "run")
+    out = tmp_path / "export"
+    config = export_draft(draft, ckpt["aux_ids"], shards, target, out, speculative_tokens=3)
+    on_disk = json.loads((out / "config.json").read_text())
+    assert on_disk == json.loads(json.dumps(config))
+    assert on_disk["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # the shards' ids minus L
+    assert on_disk["speculators_model_type"] == "eagle3"
+    assert on_disk["draft_vocab_size"] == 48 and on_disk["target_hidden_size"] == H
+    assert on_disk["speculators_config"]["verifier"] == {
+        "name_or_path": str(target), "architectures": ["DeepseekV3ForCausalLM"]}
+    assert on_disk["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    tl = on_disk["transformer_layer_config"]
+    assert tl["model_type"] == "llama" and tl["num_hidden_layers"] == 1 and tl["vocab_size"] == V
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names == VLLM_EAGLE3_NAMES
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert f.get_tensor("fc.weight").shape == (H, 3 * H)
+        assert f.get_tensor("lm_head.weight").shape == (48, H)
+    assert (torch.arange(48) + d2t).tolist() == t2d.nonzero().flatten().tolist()
+    # vLLM's own config translation sees an Eagle3 llama draft with these ids
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    hf = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads((out / "config.json").read_text()))
+    assert hf["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and hf["draft_vocab_size"] == 48
+
+
+def test_export_refuses_disagreeing_shards_or_ids(tiny, tmp_path):
+    target, shards = tiny
+    run_train(tiny, tmp_path / "run", steps=1, ckpt_every=1)
+    draft, ckpt = load_trained(tmp_path / "run")
+    odd = write_shard(tmp_path / "odd.safetensors", 3, seed=5, layer_ids=[0, 2, 3, L])
+    with pytest.raises(ValueError, match="differ"):
+        export_draft(draft, ckpt["aux_ids"], shards + [odd], target, tmp_path / "x")
+    with pytest.raises(ValueError, match="trained on aux ids"):
+        export_draft(draft, [0, 2, 3], shards, target, tmp_path / "x")
+    no_final = write_shard(tmp_path / "nofinal.safetensors", 3, seed=6, layer_ids=[1, 2, 3, 0])
+    with pytest.raises(ValueError, match="final pre-norm"):
+        read_layout([no_final], L)
+
+
+# ---------------------------------------------------------------- vLLM loads the export
+
+TINY_TARGET = REPO / "resources" / "targets" / "tiny-deepseek-v3"
+
+
+@pytest.mark.vllm
+def test_exported_draft_loads_and_drafts_in_vllm(tmp_path):
+    if not (TINY_TARGET / "model.safetensors").exists():
+        pytest.skip("the embedded target is not built (snakemake resources/targets/tiny-deepseek-v3)")
+    from eagleflow.train_draft import build_draft
+    from eagleflow.draft_vocab import vocab_from_counts
+
+    tcfg = json.loads((TINY_TARGET / "config.json").read_text())
+    nl = tcfg["num_hidden_layers"]
+    layer_ids = [2, nl // 2, nl - 3, nl]
+    shard = tmp_path / "shard.safetensors"
+    save_file({"hidden_states": torch.zeros(2, 4, tcfg["hidden_size"]).bfloat16(),
+               "input_ids": torch.tensor([1, 2]), "loss_mask": torch.tensor([1, 1], dtype=torch.uint8),
+               "offsets": torch.tensor([0, 2])}, str(shard),
+              metadata={"layer_ids": json.dumps(layer_ids), "layer_id_convention": "vllm"})
+    counts = torch.arange(tcfg["vocab_size"])  # a pruned vocabulary: exercise d2t
+    vocab = vocab_from_counts(counts, tcfg["vocab_size"] // 2)
+    draft = build_draft(TINY_TARGET, vocab, 3, seed=0)
+    export = tmp_path / "draft"
+    export_draft(draft, layer_ids[:3], [shard], TINY_TARGET, export)
+    out = tmp_path / "check.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagleflow.spec_decode_check", "--target", str(TINY_TARGET),
+         "--draft", str(export), "--k", "3", "--max-tokens", "16", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    c = result["counters"]
+    assert c["num_drafts"] > 0 and c["num_draft_tokens"] >= 3 * c["num_drafts"] - 3
+    assert result["generated_tokens"] == 2 * 16

@@ -1,0 +1,57 @@
+"""What jobs ask a cluster for (eagleflow.resources): GPUs, CPUs, memory, runtime."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from eagleflow import resources as jr
+
+CPU = {"device": "cpu", "tensor_parallel_size": 1, "cpu_kvcache_space_gib": 1}
+CUDA = {"device": "cuda", "tensor_parallel_size": 8, "cpu_kvcache_space_gib": 1}
+
+
+def test_gpus_follow_the_device_unless_set():
+    assert jr.extract_gpus(CUDA) == 8
+    assert jr.extract_gpus(CPU) == 0
+    assert jr.extract_gpus({**CPU, "gpus_per_job": 4}) == 4
+    assert jr.extract_gpus({**CUDA, "gpus_per_job": None}) == 8
+
+
+def test_cpus_and_memory_match_the_gpus():
+    assert jr.extract_cpus(CUDA) == 64
+    assert jr.extract_cpus({**CPU, "tensor_parallel_size": 2}) == 2
+    assert jr.extract_cpus({**CUDA, "cpus_per_job": 16}) == 16
+    assert jr.extract_mem_mb(CUDA, 10**12) == 8 * 64000
+    # CPU engine: weights + KV cache + overhead, as validate_env estimates.
+    assert jr.extract_mem_mb(CPU, 2**30) == 1024 + 1024 + 2048
+    assert jr.extract_mem_mb({**CPU, "mem_mb_per_job": 500}, 2**30) == 500
+
+
+def test_runtime_covers_load_and_prefill_and_grows_with_attempts():
+    # Kimi-K2.5 at TP=8: ~18 min load, 2,280 tok/s; a 1M-token shard prefills in ~7.3 min.
+    first = jr.extract_runtime_minutes(1_000_000, 2280, 18, attempt=1)
+    assert first == 40  # ceil(1.5 * (18 + 7.31) + 2)
+    assert jr.extract_runtime_minutes(1_000_000, 2280, 18, attempt=2) == 2 * first
+    assert jr.verify_runtime_minutes(1000, 4, 256, attempt=3) == 3 * jr.verify_runtime_minutes(1000, 4, 256)
+
+
+def test_shard_tokens_from_the_header(tmp_path):
+    p = tmp_path / "s.safetensors"
+    save_file({"input_ids": np.arange(123, dtype=np.int64), "loss_mask": np.ones(123, np.uint8)}, p)
+    assert jr.shard_tokens(p) == 123
+    p.write_bytes(b"\xff" * 900)  # damaged: estimated from the size, fails later in its job
+    assert jr.shard_tokens(p) == 100
+
+
+def test_measured_rates_from_finished_shards(tmp_path):
+    assert jr.measured_rates(tmp_path / "missing") == (None, None)
+    recs = [(100.0, 30.0, True), (300.0, 20.0, True), (200.0, 25.0, True), (None, None, False)]
+    for i, (tps, start, loaded) in enumerate(recs):
+        rec = {"tokens_extracted_now": 10 if tps else 0, "tokens_per_second": tps, "model_loaded": loaded,
+               "seconds": {"engine_start": start} if start else {}}
+        (tmp_path / f"{i:020x}.json").write_text(json.dumps(rec))
+    (tmp_path / "fingerprint.json").write_text("{}")
+    (tmp_path / f"{0:020x}.verify.json").write_text("{}")
+    assert jr.measured_rates(tmp_path) == (pytest.approx(200.0), pytest.approx(30.0))

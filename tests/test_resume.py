@@ -1,0 +1,108 @@
+"""Crash safety: SIGKILL an extract job at several points; the rerun resumes after the last
+committed chunk and the shard ends identical to an uninterrupted extraction."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from eagleflow.extract import chunk_ranges
+from eagleflow.headers import file_sha256
+from eagleflow.shards import read_token_shard
+from eagleflow.verify import cheap_check
+from workflow_runner import REPO, SMALL, SNAKEMAKE, copy_workdir, hidden_dir, snakemake, write_config
+
+pytestmark = pytest.mark.vllm
+
+# Small chunks so one shard of ~2,700 tokens commits several chunks.
+CHUNKED = {**SMALL, "extract": {"chunk_tokens": 600}}
+
+
+def shard_targets(workdir, shard_id):
+    d = hidden_dir(workdir)
+    return [str((d / f"{shard_id}{s}").relative_to(workdir)) for s in (".safetensors", ".json")]
+
+
+def forget_shard(workdir, shard_id):
+    for suffix in (".safetensors", ".json", ".verify.json"):
+        (hidden_dir(workdir) / f"{shard_id}{suffix}").unlink(missing_ok=True)
+
+
+def run_and_kill(workdir, shard_id, when, timeout=300):
+    """Start the extract job for one shard through Snakemake; SIGKILL its whole process group
+    (Snakemake, the job, vLLM's engine and workers) once `when(partial_dir)` is true."""
+    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(write_config(workdir, CHUNKED)), "--cores", "2",
+           *shard_targets(workdir, shard_id)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    partial = hidden_dir(workdir) / ".partial" / shard_id
+    deadline = time.time() + timeout
+    try:
+        while not when(partial):
+            assert proc.poll() is None, "the job finished before the kill point"
+            assert time.time() < deadline, "kill point never reached"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def chunks(partial):
+    return sorted(partial.glob("chunk-*.safetensors")) if partial.exists() else []
+
+
+def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extracted_workdir, tmp_path):
+    reference = copy_workdir(extracted_workdir, tmp_path / "reference")
+    shard_id = sorted(p.stem for p in hidden_dir(reference).glob("*.safetensors"))[0]
+    forget_shard(reference, shard_id)
+    snakemake(reference, *shard_targets(reference, shard_id), config=CHUNKED)
+    ref_record = json.loads((hidden_dir(reference) / f"{shard_id}.json").read_text())
+    assert ref_record["model_loaded"]
+
+    work = copy_workdir(extracted_workdir, tmp_path / "killed")
+    forget_shard(work, shard_id)
+    d = hidden_dir(work)
+    started = time.time()
+    kill_points = [
+        ("engine starting, nothing committed", lambda p: time.time() - started > 8),
+        ("one chunk committed", lambda p: len(chunks(p)) >= 1),
+        ("three chunks committed", lambda p: len(chunks(p)) >= 3),
+    ]
+    committed = []
+    for name, when in kill_points:
+        started = time.time()
+        run_and_kill(work, shard_id, when)
+        # Nothing a later run could take for a finished shard: no file, or one that fails the check.
+        out = d / f"{shard_id}.safetensors"
+        record = d / f"{shard_id}.json"
+        assert not (out.exists() and record.exists() and not cheap_check(out, json.loads(record.read_text()), d.name)), name
+        committed.append(len(chunks(d / ".partial" / shard_id)))
+    assert committed[0] == 0 and committed[1] >= 1 and committed[2] >= 3
+
+    snakemake(work, *shard_targets(work, shard_id), config=CHUNKED)
+    record = json.loads((d / f"{shard_id}.json").read_text())
+    # The rerun loaded the model once and extracted only what the kills had not committed.
+    assert record["model_loaded"]
+    assert 0 < record["tokens_extracted_now"] < record["n_tokens"]
+    assert file_sha256(d / f"{shard_id}.safetensors") == ref_record["sha256"] == record["sha256"]
+    assert not (d / ".partial" / shard_id).exists()
+
+
+def test_a_job_whose_chunks_are_all_committed_never_loads_the_model(extracted_workdir, tmp_path):
+    work = copy_workdir(extracted_workdir, tmp_path / "w")
+    shard_id = sorted(p.stem for p in hidden_dir(work).glob("*.safetensors"))[1]
+    forget_shard(work, shard_id)
+    d = hidden_dir(work)
+    tokens = read_token_shard(work / "results" / "shards" / "tokens" / f"{shard_id}.safetensors")
+    total = len(chunk_ranges(tokens.offsets, CHUNKED["extract"]["chunk_tokens"]))
+    # Kill once the last chunk is committed (the job is then shutting the engine down, about
+    # two seconds, before assembling): the rerun only assembles.
+    run_and_kill(work, shard_id, lambda p: len(chunks(p)) == total)
+    snakemake(work, *shard_targets(work, shard_id), config=CHUNKED)
+    record = json.loads((d / f"{shard_id}.json").read_text())
+    assert record["model_loaded"] is False and record["tokens_extracted_now"] == 0
+    log = (work / "results" / "logs" / "extract" / d.name / f"{shard_id}.log").read_text()
+    assert "already committed" in log

@@ -1,0 +1,198 @@
+"""`snakemake --profile slurm` against a real single-node SLURM on loopback (tests/slurm/cluster.sh):
+the embedded default goes through sbatch, a damaged shard fails its job (retried with more
+time, then reported with its log), a rerun after the fix runs only what failed, and a final
+rerun submits nothing. CPU extraction runs inside jobs that were given (fake) GPUs.
+
+Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
+tests fail. About 10 minutes on 2 cores."""
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from workflow_runner import REPO, SMALL, SNAKEMAKE, merged, write_config
+
+pytestmark = pytest.mark.slurm
+
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+PARTITION = ACCOUNT = "eagleflow-test"
+# 4 shards; each extract job asks for 4 of the node's 8 fake GPUs and (up to) 2 CPUs, and
+# still extracts on the CPU (extract.device stays cpu).
+CONFIG = merged(SMALL, {"extract": {
+    "gpus_per_job": 4, "cpus_per_job": min(2, os.cpu_count() or 1),
+    "model_load_minutes": 1, "tokens_per_second": 300,
+}})
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=1200)
+    assert up.returncode == 0, f"the test SLURM cluster did not come up:\n{up.stdout[-4000:]}\n{up.stderr[-4000:]}"
+    yield
+    down = subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+@pytest.fixture(scope="module")
+def profile_home(tmp_path_factory):
+    """A fresh user config directory in which envs/link-slurm-profile.sh (run by
+    envs/setup-cpu.sh) links `snakemake/slurm` to profiles/slurm, as on a user's machine."""
+    home = tmp_path_factory.mktemp("xdg-config")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
+    subprocess.run(["bash", str(REPO / "envs" / "link-slurm-profile.sh")], check=True, env=env)
+    assert (home / "snakemake" / "slurm").resolve() == REPO / "profiles" / "slurm"
+    return home
+
+
+def snakemake_slurm(workdir: Path, profile_home: Path, *args, timeout=1200):
+    """Exactly `snakemake --profile slurm` from the repository root (the profile is found in
+    the user config directory), in a scratch directory with the test config."""
+    configfile = write_config(workdir, CONFIG)
+    # Targets first: --configfile takes several values.
+    cmd = ["timeout", "-k", "30", str(timeout), SNAKEMAKE, *args, "--profile", "slurm",
+           "--directory", str(workdir), "--configfile", str(configfile)]
+    env = {**os.environ, "XDG_CONFIG_HOME": str(profile_home),
+           "EAGLEFLOW_SLURM_PARTITION": PARTITION, "EAGLEFLOW_SLURM_ACCOUNT": ACCOUNT}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout + 60)
+    proc.seconds = time.time() - t0
+    proc.out = proc.stdout + proc.stderr
+    proc.submitted = [(int(j), log) for j, log in SUBMITTED.findall(proc.out)]
+    return proc
+
+
+def job_stats(out: str) -> dict:
+    """{rule: count} of the first 'Job stats' table of a run."""
+    counts = {}
+    block = out.split("Job stats:", 1)[1] if "Job stats:" in out else ""
+    for line in block.splitlines()[3:]:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        counts[parts[0]] = int(parts[1])
+    counts.pop("total", None)
+    return counts
+
+
+def sacct(job_ids) -> dict:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(map(str, job_ids)),
+                          "-o", "JobID,State,Timelimit,AllocTRES,Account,Partition"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    return {int(r[0]): {"state": r[1], "timelimit": r[2], "tres": r[3], "account": r[4], "partition": r[5]}
+            for r in rows}
+
+
+def fail_msg(proc) -> str:
+    return f"rc {proc.returncode} after {proc.seconds:.0f} s:\n{proc.out[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(slurm_cluster, profile_home, tmp_path_factory):
+    """Shard; damage one token shard; run (fails); repair; rerun; rerun again."""
+    workdir = tmp_path_factory.mktemp("slurm-run")
+    t0 = time.time()
+    runs = {"workdir": workdir}
+
+    runs["shard"] = p = snakemake_slurm(workdir, profile_home, "results/shards/manifest.parquet")
+    assert p.returncode == 0, fail_msg(p)
+
+    manifest = pd.read_parquet(workdir / "results" / "shards" / "manifest.parquet")
+    runs["shards"] = shards = sorted(manifest["shard_id"].unique())
+    assert len(shards) == 4
+    # The damaged shard: its header is intact, its data cut off (a truncated copy).
+    runs["bad"] = bad = shards[0]
+    tokens = workdir / "results" / "shards" / "tokens" / f"{bad}.safetensors"
+    good_bytes = tokens.read_bytes()
+    header_len = 8 + int.from_bytes(good_bytes[:8], "little")
+    with open(tokens, "r+b") as f:
+        f.truncate(header_len + 16)
+
+    runs["failed"] = p = snakemake_slurm(workdir, profile_home)
+    assert p.returncode != 0, fail_msg(p)
+
+    with open(tokens, "r+b") as f:  # repaired in place
+        f.write(good_bytes)
+
+    runs["fixed"] = p = snakemake_slurm(workdir, profile_home)
+    assert p.returncode == 0, fail_msg(p)
+    runs["again"] = p = snakemake_slurm(workdir, profile_home)
+    assert p.returncode == 0, fail_msg(p)
+    print(f"SLURM test runs: {', '.join(f'{k} {runs[k].seconds:.0f} s' for k in ('shard', 'failed', 'fixed', 'again'))}; "
+          f"total {time.time() - t0:.0f} s")
+    return runs
+
+
+def hidden_dir(workdir: Path) -> Path:
+    (fp_dir,) = [p for p in (workdir / "results" / "hidden").iterdir() if p.is_dir()]
+    return fp_dir
+
+
+def test_jobs_run_through_slurm_with_their_resources(runs):
+    submitted = [j for k in ("shard", "failed", "fixed") for j in runs[k].submitted]
+    assert submitted, "no job was submitted to SLURM"
+    for job_id, log in submitted:  # every job's SLURM log is kept, named by its job id
+        assert Path(log).is_file() and Path(log).name == f"{job_id}.log", log
+    records = sacct([j for j, _ in submitted])
+    assert set(records) == {j for j, _ in submitted}, "sacct lacks records of submitted jobs"
+    assert all(r["account"] == ACCOUNT and r["partition"] == PARTITION for r in records.values())
+    extract = [j for j, log in submitted if "/rule_extract_shard/" in log]
+    good = [j for j in extract if records[j]["state"] == "COMPLETED"]
+    assert len(good) == 4
+    for j in good:  # asked for GPUs (fake here) and got them, yet extracted on the CPU
+        assert "gres/gpu=4" in records[j]["tres"] and "node=1" in records[j]["tres"], records[j]
+    rules_submitted = {next(part for part in Path(log).parts if part.startswith("rule_")) for _, log in submitted}
+    assert rules_submitted == {"rule_shard", "rule_patch", "rule_extract_shard", "rule_verify_shard"}
+    workdir = runs["workdir"]
+    fp = hidden_dir(workdir).name
+    log = (workdir / "results" / "logs" / "extract" / fp / f"{runs['shards'][1]}.log").read_text()
+    assert "[ok] devices:" in log and "CPU cores for tensor_parallel_size=1" in log
+    # validate_env ran where Snakemake runs and left device checks to the extract jobs.
+    validate_log = (workdir / "results" / "logs" / "validate_env" / f"{fp}.log").read_text()
+    assert "deferred to the job that runs extraction" in validate_log
+
+
+def test_every_shard_extracted_and_verified(runs):
+    fp_dir = hidden_dir(runs["workdir"])
+    summary = pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")
+    assert sorted(summary["shard_id"]) == runs["shards"]
+    assert summary["ok"].all(), summary.to_string()
+
+
+def test_failed_job_fails_the_run_naming_its_log_after_retries_with_more_time(runs):
+    p, bad = runs["failed"], runs["bad"]
+    fp = hidden_dir(runs["workdir"]).name
+    assert f"results/logs/extract/{fp}/{bad}.log" in p.out, fail_msg(p)
+    attempts = [j for j, log in p.submitted if f"/rule_extract_shard/{fp}_{bad}/" in log]
+    assert len(attempts) == 3, p.submitted  # profile: retries: 2
+    records = sacct(attempts)
+    assert all(records[j]["state"] == "FAILED" for j in attempts), records
+    limits = [records[j]["timelimit"] for j in attempts]
+
+    def minutes(limit):
+        h, m, s = (int(x) for x in limit.split("-")[-1].split(":"))
+        return 60 * h + m + s / 60
+
+    assert minutes(limits[0]) < minutes(limits[1]) < minutes(limits[2]), limits
+    # The failed job's SLURM log is named in the message too.
+    assert any(log in p.out for j, log in p.submitted if j == attempts[-1])
+    # The other shards went on (keep-going) and were extracted and verified.
+    assert len(re.findall(r"\(Rule: verify_shard\)", p.out)) == 3, p.out[-3000:]
+
+
+def test_rerun_after_the_fix_runs_only_what_failed(runs):
+    p, bad = runs["fixed"], runs["bad"]
+    assert job_stats(p.out) == {"extract_shard": 1, "verify_shard": 1, "verify_summary": 1, "all": 1}, p.out[-3000:]
+    assert p.submitted and all(bad in log for _, log in p.submitted), p.submitted
+
+
+def test_rerun_submits_nothing(runs):
+    p = runs["again"]
+    assert "Nothing to be done" in p.out, p.out[-3000:]
+    assert not p.submitted

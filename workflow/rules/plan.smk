@@ -1,0 +1,46 @@
+# Planning and deep verification: targets that inspect, never extract.
+
+
+# The plan reads the manifest and a few headers: where Snakemake runs, also on a cluster.
+localrules:
+    plan,
+
+
+rule plan:
+    input:
+        manifest=shard_manifest,
+        fingerprint=lambda wc: f"{hidden_dir()}/fingerprint.json",
+    log:
+        f"{R}/logs/plan.log",
+    conda:
+        CONDA_ENV
+    params:
+        hidden_dir=hidden_dir,
+        layer_ids=lambda wc: layer_ids(),
+        hidden_size=lambda wc: read_target(TARGET).hidden_size,
+        dtype=config["extract"]["dtype"],
+    script:
+        "../scripts/plan.py"
+
+
+rule verify_deep:
+    input:
+        shards=current_shard_files(".safetensors"),
+        records=current_shard_files(".json"),
+        tokens=lambda wc: [f"{R}/shards/tokens/{s}.safetensors" for s in shard_ids()],
+        plan=lambda wc: f"{hidden_dir()}/capture_plan.json",
+    log:
+        f"{R}/logs/verify_deep.log",
+    conda:
+        CONDA_ENV
+    params:
+        dtype=config["extract"]["dtype"],
+    script:
+        "../scripts/verify_deep.py"
+
+
+rule prepare:
+    # Everything before extraction: shards, validation, fingerprint and the checked capture
+    # plan. Loads no model.
+    input:
+        lambda wc: f"{hidden_dir()}/capture_plan.json",
