@@ -15,6 +15,8 @@ include: "workflow/rules/verify.smk"
 include: "workflow/rules/plan.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/target_training.smk"
 
 
 rule all:

@@ -76,23 +76,20 @@ class PeakRSS:
 
 
 def make_shard(tokenizer, n_tokens: int, seed: int):
-    """Bundled conversations, several joined per sample (100-600 tokens), up to n_tokens."""
-    rows = generate_conversations(4 * n_tokens // 25, seed)
-    convs, i = [], 0
-    while i < len(rows) and sum(len(c) for c in convs) < n_tokens * 4:
+    """Bundled conversations, several joined per sample (about 100-600 tokens), up to n_tokens."""
+    rows = generate_conversations(n_tokens // 4, seed)
+    convs, toks, total, i = [], [], 0, 0
+    while i < len(rows):
         k = 4 + (i % 17)
-        msgs = [m for r in rows[i:i + k] for m in r["messages"]]
-        convs.append(Conversation(f"bench-{seed}-{i}", tuple(msgs), "bench", i))
-        i += k
-    toks, kept, total = [], [], 0
-    for c in convs:
-        t = tokenize_conversation(tokenizer, c.messages, 600)
+        msgs = tuple(m for r in rows[i:i + k] for m in r["messages"])
+        t = tokenize_conversation(tokenizer, msgs, 600)
         if total + len(t.input_ids) > n_tokens:
             break
+        convs.append(Conversation(f"bench-{seed}-{i}", msgs, "bench", i))
         toks.append(t)
-        kept.append(c)
         total += len(t.input_ids)
-    return build_shards(kept, toks, len(kept), tokenizer_digest(tokenizer))[0]
+        i += k
+    return build_shards(convs, toks, len(convs), tokenizer_digest(tokenizer))[0]
 
 
 def plain_prefill(llm, shard) -> float:

@@ -302,3 +302,120 @@ def test_exported_draft_loads_and_drafts_in_vllm(tmp_path):
     c = result["counters"]
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] >= 3 * c["num_drafts"] - 3
     assert result["generated_tokens"] == 2 * 16
+
+
+# ---------------------------------------------------------------- the draft's forward == vLLM's
+
+def perturbed_export(tiny, out, norm_before_residual, seed):
+    """An exported draft with a pruned vocabulary and non-trivial weights everywhere (norms
+    included), so every placement (hidden_norm, residual, fc order, d2t) shows."""
+    from eagleflow.train_draft import build_draft
+
+    target, shards = tiny
+    vocab = build_draft_vocab(shards, V, 48)
+    draft = build_draft(target, vocab, 3, seed=seed, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, norm_before_residual=norm_before_residual)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    export_draft(draft, [1, 2, 3], shards, target, out, dtype="float32")
+    return draft, vocab
+
+
+def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
+    """eagleflow's TTT forward (what training optimises) against vLLM 0.32's own
+    Eagle3LlamaForCausalLM loaded from the export (config translation, load_weights, d2t,
+    forward, compute_logits), drafting three tokens for the last position of a prompt the
+    way vLLM's proposer does. Both residual variants."""
+    n, steps = 9, 3
+    g = torch.Generator().manual_seed(7)
+    aux = torch.randn(n, 3 * H, generator=g)
+    seq = torch.randint(0, V, (n + steps,), generator=g)
+    tokens = torch.stack([seq[1 + k: 1 + k + n] for k in range(steps)])  # step k reads t+1+k
+    drafts, dirs = [], []
+    for i, nbr in enumerate((True, False)):
+        d = tmp_path / f"export{i}"
+        drafts.append(perturbed_export(tiny, d, nbr, seed=i))
+        dirs.append(str(d))
+    torch.save({"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
+               tmp_path / "inputs.pt")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_eagle3_reference.py"),
+                           str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), *dirs],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = torch.load(tmp_path / "out.pt")
+    for (draft, vocab), res, nbr in zip(drafts, results, (True, False)):
+        assert res["norm_before_residual"] is nbr and res["draft_vocab_size"] == 48
+        with torch.no_grad():  # eagleflow: positions of token t+1 (vLLM: t); RoPE is relative
+            ours = draft.ttt_forward(aux, tokens, torch.arange(n) + 1, torch.zeros(n, dtype=torch.long), steps)
+        theirs = res["logits"]  # [steps, V], -inf outside the draft vocabulary
+        assert torch.isinf(theirs[:, ~vocab.t2d]).all() and torch.isfinite(theirs[:, vocab.t2d]).all()
+        for k in range(steps):
+            torch.testing.assert_close(theirs[k, vocab.target_ids], ours[k][-1], atol=1e-4, rtol=1e-4)
+        # and the greedy proposals agree (target ids)
+        assert (theirs.argmax(-1) == vocab.target_ids[torch.stack([o[-1] for o in ours]).argmax(-1)]).all()
+
+
+# ---------------------------------------------------------------- held-out split and acceptance
+
+def test_heldout_split_is_by_content_hash_and_stable():
+    from eagleflow.conversations import Conversation
+    from eagleflow.heldout import heldout_prompts, is_heldout, split
+
+    convs = [Conversation(f"{i:016x}", ({"role": "user", "content": f"q{i}"},
+                                        {"role": "assistant", "content": f"a{i}"}), "f", i)
+             for i in range(2000)]
+    train_part, held = split(convs)
+    assert 60 < len(held) < 140 and len(train_part) + len(held) == 2000  # about 1 in 20
+    assert {c.sample_id for c in held} == {c.sample_id for c in convs if is_heldout(c.sample_id)}
+    assert split(list(reversed(convs)))[1] == list(reversed(held))  # order does not matter
+    p = heldout_prompts(convs, limit=3)
+    assert len(p) == 3 and p[0]["messages"] == [{"role": "user", "content": p[0]["messages"][0]["content"]}]
+    assert p[0]["reference"].startswith("a")
+
+
+def test_reference_loop_counts_like_vllm(monkeypatch):
+    """Counters of the reference loop: a target whose greedy next token is last+1, a draft
+    proposing last+1, last+2 and a wrong third token: every draft run accepts exactly 2."""
+    import eagleflow.acceptance as acc
+
+    def target(ids):
+        return torch.tensor([(t + 1) % 1000 for t in ids]), torch.zeros(len(ids), 4)
+
+    monkeypatch.setattr(acc, "propose", lambda draft, aux, shifted, k: [int(shifted[-1]) + 1, int(shifted[-1]) + 2, 999])
+    r = acc.reference_acceptance(target, None, [{"prompt_token_ids": [5, 6, 7]}], k=3, max_tokens=10)
+    # prefill gives 8; each run appends 2 drafts + the target's token: 8 | 9 10 11 | 12 13 14 | 15 16 17
+    assert r["output_token_ids"] == [list(range(8, 18))]
+    assert r["num_drafts"] == 3 and r["num_accepted_tokens"] == 6 and r["num_draft_tokens"] == 9
+    assert r["num_accepted_tokens_per_pos"] == [3, 3, 0] and r["acceptance_length"] == 3.0
+    # end of turn stops the loop, and tokens after it are dropped
+    r = acc.reference_acceptance(target, None, [{"prompt_token_ids": [5]}], k=3, max_tokens=10, eos_token_id=9)
+    assert r["output_token_ids"] == [[6, 7, 8, 9]]
+
+
+def test_propose_and_load_export_round_trip(tiny, tmp_path):
+    """The exported draft reloads as the same model; proposals are its greedy TTT tokens."""
+    from eagleflow.acceptance import load_export, plot, propose, summarize
+
+    draft, vocab = perturbed_export(tiny, tmp_path / "export", True, seed=3)
+    back, cfg = load_export(tmp_path / "export")
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    for (name, a), (_, b) in zip(draft.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    g = torch.Generator().manual_seed(1)
+    aux, shifted = torch.randn(6, 3 * H, generator=g), torch.randint(0, V, (6,), generator=g)
+    proposals = propose(back, aux, shifted, 3)
+    assert len(proposals) == 3 and all(bool(vocab.t2d[t]) for t in proposals)
+    tokens = shifted.unsqueeze(0).repeat(3, 1)
+    tokens[1, -1], tokens[2, -1] = proposals[0], proposals[1]
+    with torch.no_grad():
+        logits = back.ttt_forward(aux, tokens, torch.arange(6) + 1, torch.zeros(6, dtype=torch.long), 3)
+    assert [int(vocab.target_ids[lg[-1].argmax()]) for lg in logits] == proposals
+    s = summarize({"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6,
+                   "num_accepted_tokens_per_pos": [3, 2, 1]}, 3)
+    assert s["acceptance_length"] == 2.5 and s["acceptance_rate_per_pos"] == [0.75, 0.5, 0.25]
+    plot({"reference": s, "vllm_eagle3": {"error": "exit 1"}}, 3, tmp_path / "acc.png")
+    assert (tmp_path / "acc.png").stat().st_size > 1000

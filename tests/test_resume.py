@@ -46,8 +46,12 @@ def run_and_kill(workdir, shard_id, when, timeout=300):
             assert time.time() < deadline, "kill point never reached"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    # Snakemake itself was killed too (as on a crashed node): its directory lock stays, and
+    # `--unlock` is what a user runs before going on.
+    snakemake(workdir, "--unlock", config=CHUNKED)
 
 
 def chunks(partial):
@@ -106,3 +110,23 @@ def test_a_job_whose_chunks_are_all_committed_never_loads_the_model(extracted_wo
     assert record["model_loaded"] is False and record["tokens_extracted_now"] == 0
     log = (work / "results" / "logs" / "extract" / d.name / f"{shard_id}.log").read_text()
     assert "already committed" in log
+
+
+def test_a_worker_error_reaches_the_job_log_with_its_traceback(extracted_workdir, tmp_path):
+    """An exception inside vLLM's worker (here: the patched forward calling an embedding method
+    the model does not have) fails the job, and the log holds the worker's traceback."""
+    work = copy_workdir(extracted_workdir, tmp_path / "w")
+    d = hidden_dir(work)
+    shard_id = sorted(p.stem for p in d.glob("*.safetensors"))[2]
+    forget_shard(work, shard_id)
+    plan = json.loads((d / "capture_plan.json").read_text())
+    plan.update(strategy="patched_forward", embedding_method="embed_tokens_that_do_not_exist")
+    (d / "capture_plan.json").write_text(json.dumps(plan))
+    proc = snakemake(work, *shard_targets(work, shard_id), config=SMALL, check=False)
+    assert proc.returncode != 0
+    log = (work / "results" / "logs" / "extract" / d.name / f"{shard_id}.log").read_text()
+    assert f"shard {shard_id}:" in log
+    assert "Traceback (most recent call last)" in log
+    assert "AttributeError" in log and "embed_tokens_that_do_not_exist" in log
+    assert "capture_worker.py" in log  # the frame inside the worker, not just the driver's
+    assert not (d / f"{shard_id}.safetensors").exists()

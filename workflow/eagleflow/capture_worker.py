@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import threading
+import time
 import traceback
 from itertools import islice
 
@@ -92,6 +93,9 @@ class CaptureExtension:
         self._ef_writer: threading.Thread | None = None
         self._ef_write_error: str | None = None
         self._ef_rank0 = _tp_rank() == 0
+        # Seconds spent in device->host copies (on the forward path) and in writing chunk files
+        # (on the writer thread, overlapping the next chunk's prefill).
+        self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
         layer_ids = tuple(plan["layer_ids"])
         inner = model.model
         if plan["strategy"] == "aux_layers":
@@ -129,11 +133,13 @@ class CaptureExtension:
         n = bounds[-1]
         if len(aux) != len(self._ef_plan["layer_ids"]):
             raise RuntimeError(f"the model returned {len(aux)} aux states for layer ids {self._ef_plan['layer_ids']}")
+        t0 = time.perf_counter()
         # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because
         # on CPU `.to("cpu")` would alias the runner's persistent input buffers.
         states = torch.stack([a[:n] for a in aux], dim=1).to("cpu")
         pos = positions[:n].to("cpu", copy=True)
         ids = input_ids[:n].to("cpu", copy=True)
+        self._ef_stats["d2h_copy"] += time.perf_counter() - t0
         for i, rid in enumerate(req_ids):
             a, b = bounds[i], bounds[i + 1]
             if b > a:
@@ -186,6 +192,7 @@ class CaptureExtension:
         input_ids = torch.cat(captured_ids).to(torch.int64)
 
         def write():
+            t0 = time.perf_counter()
             try:
                 tmp = path + ".tmp"
                 save_file({"hidden_states": hidden, "input_ids": input_ids}, tmp,
@@ -193,14 +200,18 @@ class CaptureExtension:
                 os.replace(tmp, path)
             except Exception:  # noqa: BLE001 - reported on the next call
                 self._ef_write_error = traceback.format_exc()
+            self._ef_stats["chunk_write"] += time.perf_counter() - t0
 
         self._ef_writer = threading.Thread(target=write, name="eagleflow-chunk-writer")
         self._ef_writer.start()
         return int(hidden.shape[0])
 
     @_surface_errors
-    def eagleflow_finish(self) -> None:
+    def eagleflow_finish(self) -> dict:
+        """Wait for the last chunk write; return (and reset) the worker's timings."""
         self._ef_wait_writer()
+        stats, self._ef_stats = self._ef_stats, {k: 0.0 for k in self._ef_stats}
+        return stats
 
     @_surface_errors
     def eagleflow_uninstall(self) -> None:

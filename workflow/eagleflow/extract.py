@@ -254,7 +254,9 @@ def _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timing
             done += n
             bar.update(n)
         with timings.phase("commit_wait"):
-            llm.collective_rpc("eagleflow_finish")
+            worker_stats = llm.collective_rpc("eagleflow_finish")[0]
+    for k, v in worker_stats.items():
+        timings.seconds[f"worker_{k}"] = timings.seconds.get(f"worker_{k}", 0.0) + v
     return done
 
 

@@ -112,6 +112,29 @@ def build_tiny_target(corpus_texts: list[str], out_dir: str | Path, seed: int = 
     return out_dir
 
 
+def build_tiny_llama_target(corpus_texts: list[str], out_dir: str | Path, seed: int = 0,
+                            vocab_size: int = 1024) -> Path:
+    """A tiny dense LlamaForCausalLM with the same tokenizer: proves the capture path is not
+    DeepSeek-only."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus_texts, vocab_size)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    config.dtype = "bfloat16"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def corpus_texts(conversations) -> list[str]:
     return [m["content"] for c in conversations for m in c.messages]
 

@@ -1,0 +1,49 @@
+"""The GPU examples (TP=8) checked as far as a CPU allows: the config validates, the data shards
+with the target's tokenizer, the fingerprint and the DAG build, and validate_env stops before
+any model load with a one-sentence reason (no CUDA devices here)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from test_target import DEEPSEEK_V3
+from workflow_runner import REPO, snakemake
+
+
+@pytest.fixture
+def fake_deepseek_v3(tmp_path, tokenizer_dir):
+    """DeepSeek-V3's real config.json and a tokenizer, weights reduced to one small file."""
+    d = tmp_path / "DeepSeek-V3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    for p in Path(tokenizer_dir).iterdir():
+        shutil.copy(p, d / p.name)
+    save_file({"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)}, str(d / "model-00001-of-000163.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("example", ["deepseek-v3-tp8.yaml", "kimi-k2.5-tp8.yaml"])
+def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepseek_v3, tmp_path):
+    cfg = yaml.safe_load((REPO / "config" / "examples" / example).read_text())
+    data = tmp_path / "train.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                          {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}]} for i in range(50)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    override = {"target": {"path": str(fake_deepseek_v3)}, "data": {"path": str(data)}}
+    for key in ("target", "data"):
+        cfg[key].update(override[key])
+    proc = snakemake(tmp_path, "-n", "extract", config=cfg)
+    assert "shard" in proc.stdout  # the DAG builds; sharding comes first
+    proc = snakemake(tmp_path, "prepare", config=cfg, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    log = next((tmp_path / "results" / "logs" / "validate_env").glob("*.log")).read_text()
+    assert "tensor_parallel_size=8 needs 8 CUDA devices, 0 are visible" in log
+    assert "[ok] layer_ids: [2, 30, 58, 61]" in log
+    assert "capture_plan" not in " ".join(p.name for p in (tmp_path / "results" / "hidden").glob("*/*"))
+    assert "validate_env" in out

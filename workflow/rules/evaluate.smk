@@ -1,0 +1,33 @@
+# Evaluation: acceptance length of the exported draft on held-out prompts (chosen by content
+# hash, eagleflow.heldout), through vLLM (eagle3 + the n-gram baseline) and a plain-torch
+# reference loop. Outputs go under results/eval/{fp}/.
+
+EVAL_CFG = config["evaluate"]
+
+
+rule evaluate:
+    input:
+        config=f"{R}/draft/{{fp}}/export/config.json",
+        weights=f"{R}/draft/{{fp}}/export/model.safetensors",
+        dataset=config["data"]["path"],
+    output:
+        result=f"{R}/eval/{{fp}}/acceptance.json",
+        plot=report(
+            f"{R}/eval/{{fp}}/acceptance.png",
+            caption="../report/acceptance.rst",
+            category="Evaluation",
+        ),
+    log:
+        f"{R}/logs/evaluate/{{fp}}.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate/{{fp}}.tsv"
+    conda:
+        CONDA_ENV
+    threads: all_cores_or(8)
+    params:
+        target=TARGET,
+        export=lambda wildcards, input: os.path.dirname(input.config),
+        workdir=f"{R}/eval/{{fp}}/work",
+        cfg=EVAL_CFG,
+    script:
+        "../scripts/evaluate.py"
