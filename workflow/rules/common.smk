@@ -83,10 +83,18 @@ def checked_shard_ids(fp):
 
 
 def hidden_dir(wildcards=None):
-    # Sharding needs the target's tokenizer, so once the shard checkpoint is done the
-    # target exists (the embedded one is built first) and can be fingerprinted.
+    """The current configuration's output directory, once sharding and the capture plan exist.
+
+    Sharding needs the target's tokenizer, so once the shard checkpoint is done the target
+    exists (the embedded one is built first) and can be fingerprinted. The `patch` checkpoint
+    is waited for here, in the target rules' own input functions, and not only in the
+    per-shard lists: Snakemake re-evaluates a finished checkpoint's dependents only for the
+    jobs that asked for it directly, so a checkpoint first met through a job added during
+    that update would stay unresolved (<TBD>) on reruns."""
     shard_manifest()
-    return HIDDEN.format(fp=fingerprint()[0])
+    fp = fingerprint()[0]
+    checkpoints.patch.get(fp=fp)
+    return HIDDEN.format(fp=fp)
 
 
 def extraction_summary(wildcards):
