@@ -72,7 +72,8 @@ def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_pa
     from eagleflow.bundled_data import generate_conversations
 
     work = copy_workdir(extracted_workdir, tmp_path / "w")
-    rows = bundled_rows(work) + generate_conversations(100, seed=7)
+    new = [{**r, "id": f"appended-{i}"} for i, r in enumerate(generate_conversations(100, seed=7))]
+    rows = bundled_rows(work) + new
     data = user_dataset(work, rows)
     config = {**SMALL, "data": {**SMALL["data"], "path": str(data)}}
     fp_dir = hidden_dir(work)

@@ -83,18 +83,11 @@ def checked_shard_ids(fp):
 
 
 def hidden_dir(wildcards=None):
-    """The current configuration's output directory, once sharding and the capture plan exist.
-
-    Sharding needs the target's tokenizer, so once the shard checkpoint is done the target
-    exists (the embedded one is built first) and can be fingerprinted. The `patch` checkpoint
-    is waited for here, in the target rules' own input functions, and not only in the
-    per-shard lists: Snakemake re-evaluates a finished checkpoint's dependents only for the
-    jobs that asked for it directly, so a checkpoint first met through a job added during
-    that update would stay unresolved (<TBD>) on reruns."""
+    """The current configuration's output directory, once sharding is done: sharding needs the
+    target's tokenizer, so the target exists then (the embedded one is built first) and can
+    be fingerprinted."""
     shard_manifest()
-    fp = fingerprint()[0]
-    checkpoints.patch.get(fp=fp)
-    return HIDDEN.format(fp=fp)
+    return HIDDEN.format(fp=fingerprint()[0])
 
 
 def extraction_summary(wildcards):
@@ -112,8 +105,6 @@ def fingerprint_record(fp):
 
 
 def shard_files(fp, suffix):
-    # Every per-shard job list waits for the capture plan (see extract.smk).
-    checkpoints.patch.get(fp=fp)
     return [f"{R}/hidden/{fp}/{shard}{suffix}" for shard in checked_shard_ids(fp)]
 
 

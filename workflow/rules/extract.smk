@@ -1,17 +1,18 @@
 # One job per shard: load the target in vLLM once, prefill the shard, capture the planned
 # layers, commit chunks, write one safetensors file atomically.
-# The tokens are content-addressed by their path (the shard id hashes them), so a newer mtime
-# cannot mean new content: ancient() keeps it from triggering re-extraction. The capture
-# plan (<hidden dir>/capture_plan.json) is read by the script, not declared as an input: `patch` is a checkpoint
-# that every per-shard job list waits for (see common.smk), so extract jobs are scheduled
-# only once the plan exists, and a re-run of validate_env or patch (same plan, by
-# construction) never touches finished shards. (Declaring it ancient() would not do:
-# Snakemake 9.27 drops a job whose ancient input's producer re-runs.)
+# Both inputs are content-addressed by their paths (the shard id hashes the tokens, the
+# fingerprint hashes what makes the tensors), so a newer mtime cannot mean new content:
+# they are ancient() and never trigger re-extraction.
+# Caveat (Snakemake 9.27): a job whose ancient() input's producer re-runs is dropped from
+# the DAG even when its own output is missing (update_needrun masks everything downstream of
+# a needrun job, then skips ancient edges). So the producers upstream of extraction only
+# re-run when their own outputs are missing: patch's and validate_env's inputs are ancient too.
 
 
 rule extract_shard:
     input:
         tokens=ancient(f"{R}/shards/tokens/{{shard}}.safetensors"),
+        plan=ancient(f"{HIDDEN}/capture_plan.json"),
     output:
         hidden=f"{HIDDEN}/{{shard}}.safetensors",
         record=f"{HIDDEN}/{{shard}}.json",

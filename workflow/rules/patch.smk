@@ -22,10 +22,11 @@ rule fingerprint:
         "../scripts/write_json.py"
 
 
-checkpoint patch:
+rule patch:
     input:
         ancient(f"{HIDDEN}/fingerprint.json"),
-        validated=f"{HIDDEN}/validate_env.json",
+        # ancient: a re-validation (new settings) must not re-run patch (see extract.smk).
+        validated=ancient(f"{HIDDEN}/validate_env.json"),
     output:
         f"{HIDDEN}/capture_plan.json",
     log:

@@ -9,7 +9,8 @@ localrules:
 
 rule validate_env:
     input:
-        manifest=shard_manifest,
+        # ancient: a data change must not re-run validation, and with it patch (see extract.smk).
+        manifest=lambda wildcards: ancient(shard_manifest()),
         config=f"{TARGET}/config.json",
     output:
         f"{HIDDEN}/validate_env.json",

@@ -11,6 +11,7 @@ rule verify_shard:
         hidden=f"{HIDDEN}/{{shard}}.safetensors",
         record=f"{HIDDEN}/{{shard}}.json",
         tokens=ancient(f"{R}/shards/tokens/{{shard}}.safetensors"),
+        plan=ancient(f"{HIDDEN}/capture_plan.json"),
     output:
         f"{HIDDEN}/{{shard}}.verify.json",
     log:
