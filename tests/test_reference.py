@@ -179,7 +179,10 @@ def test_llama_4_scaling_is_applied_by_both_strategies(tmp_path_factory, corpus)
     late = rel_err(aux[a + 64:b], unscaled[a + 64:b]).median()
     print(f"with vs without llama_4_scaling: positions < 32 median rel {float(early):.5f}, "
           f"positions >= 64 median rel {float(late):.4f}")
-    assert float(early) < 0.02 and float(late) > 0.1
+    # The scaling's effect must stand well clear of the engine's own run-to-run noise, measured
+    # above on the same config (patched vs aux).
+    noise = float(rel_err(patched, aux).median())
+    assert float(early) < 0.02 and float(late) > max(0.03, 4 * noise)
 
 
 def test_dense_llama_target_through_the_same_path(tmp_path_factory, corpus):
