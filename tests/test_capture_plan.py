@@ -66,3 +66,12 @@ def test_unsupported_architecture_is_named(tmp_path):
                                           '"hidden_size": 8, "vocab_size": 10}')
     with pytest.raises(CaptureCheckError, match="GPT2LMHeadModel has no capture adapter"):
         make_plan(read_target(tmp_path), [1], "auto")
+
+
+def test_dense_models_use_their_own_aux_interface_only(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, '
+                                          '"hidden_size": 64, "vocab_size": 100}')
+    info = read_target(tmp_path)
+    assert make_plan(info, [0, 2, 4, 8], "auto")["strategy"] == "aux_layers"
+    with pytest.raises(CaptureCheckError, match="DeepseekV2-family"):
+        make_plan(info, [2, 4], "patched_forward")

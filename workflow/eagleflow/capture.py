@@ -102,7 +102,7 @@ def introspect(spec: ArchSpec) -> dict:
         "inner_class": f"{spec.module}.{spec.inner_cls}",
         "layer_class": f"{spec.module}.{spec.layer_cls}",
         "has_aux_interface": hasattr(model_cls, "set_aux_hidden_state_layers")
-        and "aux_hidden_state_layers" in inner_src,
+        and ("aux_hidden_state_layers" in inner_src or "_maybe_add_hidden_state" in inner_src),
         # Capturing id L (final pre-norm state) arrived in mid-2026 versions.
         "aux_captures_final": "end_layer in self.aux_hidden_state_layers" in inner_src
         or "_maybe_add_hidden_state" in inner_src,
@@ -116,6 +116,8 @@ def choose_strategy(requested: str, found: dict, layer_ids: list[int], num_layer
                     spec: ArchSpec) -> str:
     if requested != "auto":
         return requested
+    if spec.inner_cls != "DeepseekV2Model":
+        return "aux_layers"  # the patched forward exists for the DeepseekV2 family only
     aux_ok = (
         found["has_aux_interface"]
         and (spec.aux_captures_embeddings or 0 not in layer_ids)
@@ -141,6 +143,9 @@ def check_plan(strategy: str, found: dict, layer_ids: list[int], num_layers: int
                             "no capture after the last layer", "Set `capture.strategy: patched_forward`.")
             passed.append(f"inner forward captures id {num_layers} (final pre-norm state)")
     elif strategy == "patched_forward":
+        if spec.inner_cls != "DeepseekV2Model":
+            raise _fail(found["inner_class"], "a DeepseekV2-family model (eagleflow's patched forward replicates "
+                        "DeepseekV2Model.forward)", spec.inner_cls, "Use `capture.strategy: aux_layers` (or auto).")
         if found["embedding_method"] is None:
             raise _fail(found["inner_class"], "embed_input_ids or get_input_embeddings", "neither",
                         "Install a supported vLLM version.")
