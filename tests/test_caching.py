@@ -68,6 +68,7 @@ def test_changing_layer_ids_extracts_into_a_new_fingerprint_and_keeps_the_old(ex
     assert sorted(p.name for p in old.iterdir()) == before
 
 
+@pytest.mark.xfail(strict=True, reason="known bug (issue 4, open): after the shard checkpoint, Snakemake 9.27 does not schedule the missing shard's extract job in this flow")
 def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_path):
     from eagleflow.bundled_data import generate_conversations
 
@@ -85,6 +86,7 @@ def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_pa
     assert pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")["ok"].all()
 
 
+@pytest.mark.xfail(strict=True, reason="known bug (issue 4, open): after the shard checkpoint, Snakemake 9.27 does not schedule the missing shard's extract job in this flow")
 def test_truncated_shard_is_quarantined_and_re_extracted(extracted_workdir, tmp_path):
     work = copy_workdir(extracted_workdir, tmp_path / "w")
     fp_dir = hidden_dir(work)

@@ -44,7 +44,7 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
         assert hs.shape[1:] == (4, 256) and str(hs.dtype) == "torch.bfloat16"
     lines = (extracted_workdir / "results" / "logs" / "extract" / fp_dir.name / f"{shard_id}.log").read_text().splitlines()
     # The job's last line is its summary; only Python's resource tracker may speak after it, at exit.
-    (last,) = [i for i, line in enumerate(lines) if line.startswith(f"shard {shard_id}:")]
+    (last,) = [i for i, line in enumerate(lines) if line.startswith(f"shard {shard_id}:") and "tok/s" in line]
     assert "tok/s" in lines[last]
     assert all("resource_tracker" in line or "warnings.warn" in line for line in lines[last + 1:])
     # No temporary or partial files are left behind.
