@@ -97,26 +97,19 @@ def tiny_config(vocab_size: int, tokenizer, **overrides):
 
 def build_tiny_target(corpus_texts: list[str], out_dir: str | Path, seed: int = 0,
                       vocab_size: int = 1024, **arch_overrides) -> Path:
-    import torch
     from transformers import DeepseekV3ForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus_texts, vocab_size)
     config = tiny_config(len(tokenizer), tokenizer, **arch_overrides)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    config.dtype = "bfloat16"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save_seeded(DeepseekV3ForCausalLM, config, tokenizer, out_dir, seed)
 
 
 def build_tiny_llama_target(corpus_texts: list[str], out_dir: str | Path, seed: int = 0,
                             vocab_size: int = 1024) -> Path:
     """A tiny dense LlamaForCausalLM with the same tokenizer: proves the capture path is not
     DeepSeek-only."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
@@ -127,8 +120,15 @@ def build_tiny_llama_target(corpus_texts: list[str], out_dir: str | Path, seed: 
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     config.architectures = ["LlamaForCausalLM"]
+    return _save_seeded(LlamaForCausalLM, config, tokenizer, out_dir, seed)
+
+
+def _save_seeded(model_cls, config, tokenizer, out_dir: Path, seed: int) -> Path:
+    """Initialise `model_cls(config)` from `seed`, save it in bf16 safetensors with the tokenizer."""
+    import torch
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_cls(config).to(torch.bfloat16)
     config.dtype = "bfloat16"
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
