@@ -75,3 +75,108 @@ def test_dense_models_use_their_own_aux_interface_only(tmp_path):
     assert make_plan(info, [0, 2, 4, 8], "auto")["strategy"] == "aux_layers"
     with pytest.raises(CaptureCheckError, match="DeepseekV2-family"):
         make_plan(info, [2, 4], "patched_forward")
+
+
+# vLLM's own extract_hidden_states strategy: refused before any weights load wherever it cannot work.
+
+LLAMA_CFG = ('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
+             '"vocab_size": 100}')
+QWEN3_CFG = ('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
+             '"vocab_size": 100, "head_dim": 16}')
+DEEPSEEK_CFG = ('{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 256, '
+                '"vocab_size": 1024, "kv_lora_rank": 512}')
+
+
+def _target(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(cfg)
+    return read_target(tmp_path)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_CFG, QWEN3_CFG])
+def test_extract_hidden_states_plans_on_cuda_for_dense_targets(tmp_path, cfg):
+    info = _target(tmp_path, cfg)
+    plan = make_plan(info, [0, 2, 4, 8], "extract_hidden_states", device="cuda")
+    assert plan["strategy"] == "extract_hidden_states" and plan["device"] == "cuda"
+    assert plan["ehs_file_keys"] == ["hidden_states", "token_ids"] and plan["ehs_connector_registered"]
+    assert any("device is cuda" in c for c in plan["checks_passed"])
+    assert any("id 8 (final pre-norm state)" in c for c in plan["checks_passed"])
+    # auto never picks it, whatever the device.
+    assert make_plan(info, [2, 4, 8], "auto", device="cuda")["strategy"] == "aux_layers"
+
+
+def test_extract_hidden_states_engine_settings_follow_the_plan(tmp_path):
+    from eagleflow.hidden_states_connector import engine_kwargs, strategy_engine_kwargs
+
+    plan = make_plan(_target(tmp_path, LLAMA_CFG), [2, 4, 8], "extract_hidden_states", device="cuda")
+    kw = strategy_engine_kwargs(plan, tmp_path / "conn")
+    assert kw == engine_kwargs(plan, tmp_path / "conn")
+    assert kw["speculative_config"] == {
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}}}
+    assert kw["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert kw["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "conn")
+    assert kw["enable_chunked_prefill"] is False and kw["enable_prefix_caching"] is False
+    # vLLM itself accepts these settings (config objects only, no model load).
+    from vllm.config import KVTransferConfig
+
+    assert KVTransferConfig(**kw["kv_transfer_config"]).kv_role == "kv_producer"
+    assert strategy_engine_kwargs({**plan, "strategy": "aux_layers"}, tmp_path) == {}
+
+
+def test_extract_hidden_states_refused_on_cpu_naming_version_reason_and_remedy(tmp_path):
+    with pytest.raises(CaptureCheckError) as e:
+        make_plan(_target(tmp_path, LLAMA_CFG), [2, 4, 8], "extract_hidden_states", device="cpu")
+    msg = str(e.value)
+    assert msg.startswith("vLLM 0.32.0: capture.strategy extract_hidden_states: extract.device is 'cpu'")
+    assert "pinned memory on a CUDA stream" in msg and "capture.strategy: auto" in msg
+
+
+def test_extract_hidden_states_refused_for_mla_targets(tmp_path):
+    with pytest.raises(CaptureCheckError, match=r"vLLM 0\.32\.0: .*the target uses MLA.*MLA verifiers are "
+                                                r"unsupported.*capture.strategy: auto"):
+        make_plan(_target(tmp_path, DEEPSEEK_CFG), [2, 4, 8], "extract_hidden_states", device="cuda")
+
+
+def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
+    from test_target import KIMI_K25
+    import json
+
+    info = _target(tmp_path, json.dumps(KIMI_K25))
+    assert info.wrapper and info.is_mla
+    with pytest.raises(CaptureCheckError, match="the target uses MLA"):
+        make_plan(info, [2, 30, 58, 61], "extract_hidden_states", device="cuda")
+    # Its text model plans with the aux interface (id 61 = final pre-norm state).
+    plan = make_plan(info, [2, 30, 58, 61], "auto", device="cuda")
+    assert plan["strategy"] == "aux_layers" and plan["num_hidden_layers"] == 61
+    assert plan["model_class"].endswith("DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("version", ["0.17.1", "0.31.2", "0.33.0", "1.0.0", "unknown"])
+def test_extract_hidden_states_refused_outside_the_version_range(version):
+    from eagleflow.capture import check_extract_hidden_states, introspect_extract_hidden_states
+
+    found = {**introspect_extract_hidden_states(), "vllm_version": version}
+    with pytest.raises(CaptureCheckError, match=rf"outside that range.*Install vLLM 0\.32\.x"):
+        check_extract_hidden_states(found, "cuda", False)
+    assert check_extract_hidden_states({**found, "vllm_version": "0.32.4"}, "cuda", False)
+
+
+def test_extract_hidden_states_refused_when_the_installed_code_differs():
+    from eagleflow.capture import check_extract_hidden_states, introspect_extract_hidden_states
+
+    found = introspect_extract_hidden_states()
+    assert found["ehs_connector_needs_cuda"] and found["ehs_single_rank_finish"]
+    for change, what in [({"ehs_connector": None}, "ExampleHiddenStatesConnector is missing"),
+                         ({"ehs_file_keys": ["hidden_states"]}, r"writes keys \['hidden_states'\]"),
+                         ({"ehs_single_rank_finish": False}, "get_finished_count")]:
+        with pytest.raises(CaptureCheckError, match=what):
+            check_extract_hidden_states({**found, **change}, "cuda", False)
+
+
+def test_extract_hidden_states_keeps_the_aux_interface_limits(tmp_path):
+    # vLLM hands the ids to DeepseekV2's set_aux_hidden_state_layers, which cannot capture id 0.
+    from eagleflow.capture import check_plan, introspect_extract_hidden_states
+
+    found = introspect(DEEPSEEK) | introspect_extract_hidden_states()
+    with pytest.raises(CaptureCheckError, match="Drop id 0"):
+        check_plan("extract_hidden_states", found, [0, 4, 8], 8, DEEPSEEK, device="cuda", is_mla=False)

@@ -9,6 +9,11 @@ Strategies:
   eagleflow's own replica of the inner model's forward: the embedding method that exists,
   decoder layers called positionally as vLLM calls them, the residual stream summed before
   each captured layer.
+- `extract_hidden_states`: vLLM's own extraction (a speculative "proposer" that stores the
+  model's aux states in a cache-only KV layer, and `ExampleHiddenStatesConnector`, which writes
+  one file per request; eagleflow converts those files, see `hidden_states_connector`). Only
+  where it works: CUDA (the connector copies through pinned memory on a CUDA stream), non-MLA
+  targets, the vLLM versions whose source eagleflow has read. Never chosen by `auto`.
 
 Every strategy lists what it depends on in the installed code; `check_plan` verifies each
 item (methods exist, signatures match by parameter names and order) and fails with one
@@ -52,7 +57,11 @@ ARCHITECTURES = {
         "Qwen3DecoderLayer", ("positions", "hidden_states", "residual"), True),
 }
 
-STRATEGIES = ("aux_layers", "patched_forward")
+STRATEGIES = ("aux_layers", "patched_forward", "extract_hidden_states")
+
+# vLLM versions whose extract_hidden_states proposer and hidden-states connector eagleflow has read
+# (file keys and layout, single-rank finish count, HiddenStateCacheSpec): [min, max).
+EXTRACT_HIDDEN_STATES_VERSIONS = ("0.32", "0.33")
 
 
 class CaptureCheckError(RuntimeError):
@@ -112,10 +121,93 @@ def introspect(spec: ArchSpec) -> dict:
     }
 
 
+def introspect_extract_hidden_states() -> dict:
+    """What vLLM's own extraction needs from the installed code (imports code, loads no weights)."""
+    from .hidden_states_connector import CONNECTOR, CONNECTOR_MODULE, PROPOSER_MODULE
+
+    found = {"vllm_version": vllm_version(), "ehs_proposer": None, "ehs_connector": None,
+             "ehs_connector_registered": False, "ehs_file_keys": [], "ehs_connector_needs_cuda": None,
+             "ehs_single_rank_finish": False}
+    try:
+        proposer = getattr(importlib.import_module(PROPOSER_MODULE), "ExtractHiddenStatesProposer", None)
+        conn_mod = importlib.import_module(CONNECTOR_MODULE)
+    except ImportError:
+        return found
+    conn = getattr(conn_mod, CONNECTOR, None)
+    if proposer is not None:
+        found["ehs_proposer"] = f"{PROPOSER_MODULE}.ExtractHiddenStatesProposer"
+    if conn is None:
+        return found
+    found["ehs_connector"] = f"{CONNECTOR_MODULE}.{CONNECTOR}"
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        found["ehs_connector_registered"] = CONNECTOR in KVConnectorFactory._registry
+    except (ImportError, AttributeError):
+        pass
+    write_src = inspect.getsource(conn._submit_async_write) if hasattr(conn, "_submit_async_write") else ""
+    found["ehs_file_keys"] = [k for k in ("hidden_states", "token_ids") if f'"{k}"' in write_src]
+    found["ehs_connector_needs_cuda"] = "pin_memory=True" in write_src or "torch.cuda" in write_src
+    # Without it, TP>1 never reports a request finished (only rank 0 writes) and leaks its blocks.
+    found["ehs_single_rank_finish"] = "get_finished_count" in vars(conn)
+    return found
+
+
+def _ehs_refusal(reason: str, todo: str) -> CaptureCheckError:
+    return CaptureCheckError(f"vLLM {vllm_version()}: capture.strategy extract_hidden_states: {reason}. {todo}")
+
+
+def check_extract_hidden_states(found: dict, device: str, is_mla: bool) -> list[str]:
+    """Refusals of vLLM's own extraction, each before any weights load."""
+    from packaging.version import InvalidVersion, Version
+
+    lo, hi = EXTRACT_HIDDEN_STATES_VERSIONS
+    other = "Use `capture.strategy: auto` (aux_layers: the same states, through the model's own EAGLE-3 interface)."
+    try:
+        v = Version(found["vllm_version"])
+        in_range = Version(lo) <= Version(v.base_version) < Version(hi)
+    except InvalidVersion:
+        in_range = False
+    if not in_range:
+        raise _ehs_refusal(f"eagleflow reads this strategy's files as vLLM >= {lo}, < {hi} writes them; "
+                           f"{found['vllm_version']} is outside that range",
+                           f"Install vLLM {lo}.x, or: {other}")
+    for key, what in (("ehs_proposer", "ExtractHiddenStatesProposer (vllm.v1.spec_decode.extract_hidden_states)"),
+                      ("ehs_connector", "ExampleHiddenStatesConnector")):
+        if not found[key]:
+            raise _ehs_refusal(f"{what} is missing from the installed code", other)
+    if not found["ehs_connector_registered"]:
+        raise _ehs_refusal("ExampleHiddenStatesConnector is not registered with KVConnectorFactory", other)
+    if found["ehs_file_keys"] != ["hidden_states", "token_ids"]:
+        raise _ehs_refusal(f"the connector writes keys {found['ehs_file_keys']}, eagleflow reads "
+                           "['hidden_states', 'token_ids']", other)
+    if not found["ehs_single_rank_finish"]:
+        raise _ehs_refusal("the connector lacks get_finished_count (with TP > 1 finished requests are never "
+                           "reported and their KV blocks leak)", other)
+    passed = [f"vLLM {found['vllm_version']} within [{lo}, {hi}); proposer and connector present; "
+              "connector files carry hidden_states [T, n_ids, H] and token_ids [T]"]
+    if device != "cuda":
+        raise _ehs_refusal(
+            f"extract.device is {device!r}, and ExampleHiddenStatesConnector copies the states through pinned "
+            "memory on a CUDA stream (on CPU vLLM 0.32 fails in _submit_async_write: \"pin_memory=True "
+            "requires a CUDA or other accelerator backend\"); GPU only", other)
+    passed.append("device is cuda")
+    if is_mla:
+        raise _ehs_refusal(
+            "the target uses MLA (kv_lora_rank set); the hidden-states cache layer (HiddenStateCacheSpec, an "
+            "MLAAttentionSpec) cannot be isolated from MLA layers in its own KV cache group (vLLM: \"MLA "
+            "verifiers are unsupported\"), and its KV memory is over-reserved for DeepSeek-class models "
+            "(vLLM issues 53243, 56774)", other)
+    passed.append("target is not MLA")
+    return passed
+
+
 def choose_strategy(requested: str, found: dict, layer_ids: list[int], num_layers: int,
                     spec: ArchSpec) -> str:
     if requested != "auto":
         return requested
+    # extract_hidden_states is never picked automatically: it is GPU-only and non-MLA, and
+    # aux_layers gives the same states through the same model interface.
     if spec.inner_cls != "DeepseekV2Model":
         return "aux_layers"  # the patched forward exists for the DeepseekV2 family only
     aux_ok = (
@@ -126,9 +218,15 @@ def choose_strategy(requested: str, found: dict, layer_ids: list[int], num_layer
     return "aux_layers" if aux_ok else "patched_forward"
 
 
-def check_plan(strategy: str, found: dict, layer_ids: list[int], num_layers: int, spec: ArchSpec) -> list[str]:
+def check_plan(strategy: str, found: dict, layer_ids: list[int], num_layers: int, spec: ArchSpec,
+               device: str = "cpu", is_mla: bool = False) -> list[str]:
     """Raise CaptureCheckError on the first unmet dependency; return the checks that passed."""
     passed = []
+    if strategy == "extract_hidden_states":
+        passed += check_extract_hidden_states(found, device, is_mla)
+        # vLLM hands eagle_aux_hidden_state_layer_ids to the model's set_aux_hidden_state_layers:
+        # the aux interface's limits (id 0, id L) hold here too.
+        return passed + check_plan("aux_layers", found, layer_ids, num_layers, spec)
     if strategy == "aux_layers":
         if not found["has_aux_interface"]:
             raise _fail(found["model_class"], "set_aux_hidden_state_layers and an inner forward returning aux states",
@@ -162,7 +260,7 @@ def check_plan(strategy: str, found: dict, layer_ids: list[int], num_layers: int
     return passed
 
 
-def make_plan(info: TargetInfo, layer_ids: list[int], requested: str) -> dict:
+def make_plan(info: TargetInfo, layer_ids: list[int], requested: str, device: str = "cpu") -> dict:
     spec = ARCHITECTURES.get(info.architecture)
     if spec is None:
         raise CaptureCheckError(
@@ -171,7 +269,9 @@ def make_plan(info: TargetInfo, layer_ids: list[int], requested: str) -> dict:
         )
     found = introspect(spec)
     strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec)
-    checks = check_plan(strategy, found, layer_ids, info.num_layers, spec)
+    if strategy == "extract_hidden_states":
+        found |= introspect_extract_hidden_states()
+    checks = check_plan(strategy, found, layer_ids, info.num_layers, spec, device=device, is_mla=info.is_mla)
     return {
         "strategy": strategy,
         "requested_strategy": requested,
@@ -183,6 +283,7 @@ def make_plan(info: TargetInfo, layer_ids: list[int], requested: str) -> dict:
         "architecture": info.architecture,
         "llama_4_scaling": info.text_config.get("llama_4_scaling"),
         "vllm_version": vllm_version(),
+        "device": device,
         "checks_passed": checks,
         **found,
     }

@@ -98,6 +98,15 @@ class CaptureExtension:
         self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
         layer_ids = tuple(plan["layer_ids"])
         inner = model.model
+        if plan["strategy"] == "extract_hidden_states":
+            # vLLM itself set the aux layers from the speculative config, and its connector writes
+            # the files: nothing to wrap, only check that the engine captures the planned ids.
+            found = tuple(getattr(inner, "aux_hidden_state_layers", ()))
+            if found != layer_ids:
+                raise RuntimeError(f"extract_hidden_states: the engine captures layer ids {list(found)}, "
+                                   f"the plan asks for {list(layer_ids)}")
+            self._ef_undo = lambda: None
+            return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
         if plan["strategy"] == "aux_layers":
             model.set_aux_hidden_state_layers(layer_ids)
             self._ef_undo = lambda: model.set_aux_hidden_state_layers(())

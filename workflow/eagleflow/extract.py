@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from .layers import CONVENTION
 from .headers import read_header
+from .hidden_states_connector import commit_from_connector, strategy_engine_kwargs
 from .safetensors_stream import StreamingWriter
 from .shards import read_token_shard
 
@@ -101,7 +102,7 @@ def check_platform(device: str) -> None:
         )
 
 
-def start_engine(settings: EngineSettings):
+def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
     configure_process_env(settings)
     from vllm import LLM
 
@@ -122,6 +123,8 @@ def start_engine(settings: EngineSettings):
     )
     if settings.device == "cuda":
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    # The extract_hidden_states strategy's speculative and connector settings.
+    kwargs.update(strategy_kwargs or {})
     return LLM(**kwargs)
 
 
@@ -198,7 +201,7 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
         model_loaded = bool(todo)
         if todo:
             with timings.phase("engine_start"):
-                llm = start_engine(settings)
+                llm = start_engine(settings, strategy_engine_kwargs(plan, partial_dir / "connector"))
                 llm.collective_rpc("eagleflow_install", args=(plan,))
             try:
                 tokens_done = _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings, log)
@@ -248,8 +251,12 @@ def _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timing
                 outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             meta = {"fingerprint": fingerprint, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
             with timings.phase("commit_wait"):
-                llm.collective_rpc("eagleflow_commit", args=(
-                    [o.request_id for o in outputs], prompts, str(chunk_path(partial_dir, i)), meta))
+                if plan["strategy"] == "extract_hidden_states":  # vLLM's connector wrote one file per request
+                    commit_from_connector(outputs, prompts, plan, llm.llm_engine.model_config.dtype,
+                                          chunk_path(partial_dir, i), meta)
+                else:
+                    llm.collective_rpc("eagleflow_commit", args=(
+                        [o.request_id for o in outputs], prompts, str(chunk_path(partial_dir, i)), meta))
             n = sum(len(p) for p in prompts)
             done += n
             bar.update(n)

@@ -9,7 +9,8 @@ with redirect_to_log(snakemake.log[0]):
     info = read_target(snakemake.params.target)
     cap = snakemake.params.capture
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
-    plan = make_plan(info, ids, cap["strategy"])
+    # The device decides whether extract_hidden_states can work (CUDA only).
+    plan = make_plan(info, ids, cap["strategy"], device=snakemake.config["extract"]["device"])
     plan["fingerprint"] = snakemake.wildcards.fp
     with open(snakemake.output[0], "w") as f:
         json.dump(plan, f, indent=1)
