@@ -180,3 +180,29 @@ def test_extract_hidden_states_keeps_the_aux_interface_limits(tmp_path):
     found = introspect(DEEPSEEK) | introspect_extract_hidden_states()
     with pytest.raises(CaptureCheckError, match="Drop id 0"):
         check_plan("extract_hidden_states", found, [0, 4, 8], 8, DEEPSEEK, device="cuda", is_mla=False)
+
+
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 64,
+             "hidden_size": 5120, "intermediate_size": 25600, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+
+
+def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
+    import json
+    from pathlib import Path
+
+    import yaml
+    from snakemake.utils import validate
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "config/examples/qwen3-32b-tp4-extract-hidden-states.yaml").read_text())
+    validate(cfg, str(repo / "workflow/schemas/config.schema.yaml"))
+    info = _target(tmp_path, json.dumps(QWEN3_32B))
+    cap = cfg["capture"]
+    ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
+    assert ids == [2, 32, 61, 64]
+    plan = make_plan(info, ids, cap["strategy"], device=cfg["extract"]["device"])
+    assert plan["strategy"] == "extract_hidden_states"
+    # The same config with the device this machine has is refused before any load.
+    with pytest.raises(CaptureCheckError, match="extract.device is 'cpu'"):
+        make_plan(info, ids, cap["strategy"], device="cpu")

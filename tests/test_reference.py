@@ -1,7 +1,18 @@
 """Capture correctness against an independent reference (transformers, float32, same weights),
-across strategies, tensor-parallel degrees, a llama_4_scaling config and a dense target."""
+across strategies, tensor-parallel degrees, a llama_4_scaling config and dense targets (Llama,
+Qwen3), and vLLM's own extract_hidden_states strategy.
 
+Engine starts dominate this module's time (~26 s each here, more under load), so targets,
+shards and engines are module-scoped and shared: `engines` keeps one engine alive at a time and
+hands the same one to every test that asks for the same target and settings; the DeepSeek
+target's aux_layers capture of the mixed shard is computed once and reused as the baseline.
+"""
+
+import hashlib
 import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +25,12 @@ from eagleflow.conversations import Conversation
 from eagleflow.extract import EngineSettings, Timings, _run_chunks, assemble_shard, chunk_ranges, start_engine, stop_engine
 from eagleflow.layers import default_layer_ids
 from eagleflow.reference import check_shard_against_reference, load_reference_model, reference_states
-from eagleflow.shards import build_shards
+from eagleflow.shards import TokenShard, build_shards
 from eagleflow.target import read_target
 from eagleflow.templating import Tokenized, tokenize_conversation, tokenizer_digest
-from eagleflow.tiny_target import build_tiny_llama_target, build_tiny_target
+from eagleflow.hidden_states_connector import engine_kwargs
+from eagleflow.target import TargetInfo
+from eagleflow.tiny_target import build_tiny_llama_target, build_tiny_qwen3_target, build_tiny_target
 
 pytestmark = pytest.mark.vllm
 
@@ -45,17 +58,21 @@ def mixed_shard(tokenizer):
 
 
 def capture(llm, shard, plan, workdir, chunk_tokens=400):
-    """eagleflow's capture and shard writing on an already started engine."""
+    """eagleflow's capture and shard writing on an already started engine (the code path of
+    `extract_shard` after the engine start); the engine is left as it was found."""
     partial = workdir / ".partial" / shard.shard_id
     partial.mkdir(parents=True, exist_ok=True)
     llm.collective_rpc("eagleflow_install", args=(plan,))
-    ranges = chunk_ranges(shard.offsets, chunk_tokens)
-    assert len(ranges) >= 3
-    _run_chunks(llm, shard, ranges, list(range(len(ranges))), partial, plan, "test", Timings(), print)
-    out = workdir / f"{shard.shard_id}.safetensors"
-    assemble_shard(shard, ranges, partial, plan, "test", out)
-    llm.collective_rpc("eagleflow_uninstall")
+    try:
+        ranges = chunk_ranges(shard.offsets, chunk_tokens)
+        assert len(ranges) >= 3
+        _run_chunks(llm, shard, ranges, list(range(len(ranges))), partial, plan, "test", Timings(), print)
+        out = workdir / f"{shard.shard_id}.safetensors"
+        assemble_shard(shard, ranges, partial, plan, "test", out)
+    finally:
+        llm.collective_rpc("eagleflow_uninstall")
     with safe_open(str(out), framework="pt") as f:
+        assert f.metadata()["capture_strategy"] == plan["strategy"]
         return f.get_tensor("hidden_states")
 
 
@@ -77,9 +94,8 @@ def assert_same_states(a, b, what):
     assert a.shape == b.shape and float(rel.median()) < 0.02 and close > 0.9, what
 
 
-def engine(target, tp=1):
-    return start_engine(EngineSettings(target=str(target), tensor_parallel_size=tp, max_model_len=600,
-                                       max_num_batched_tokens=2048))
+def settings(target, tp=1):
+    return EngineSettings(target=str(target), tensor_parallel_size=tp, max_model_len=600, max_num_batched_tokens=2048)
 
 
 def assert_matches_reference(model, states, shard, layer_ids):
@@ -91,26 +107,82 @@ def assert_matches_reference(model, states, shard, layer_ids):
     return stats
 
 
-def test_deepseek_both_strategies_match_the_reference_and_each_other(tmp_path_factory, corpus):
-    target = build_tiny_target(corpus, tmp_path_factory.mktemp("deepseek"))
-    info = read_target(target)
+@dataclass
+class Built:
+    """A tiny target with its mixed-length shard (tokenized by the target's own tokenizer)."""
+    path: Path
+    info: TargetInfo
+    shard: TokenShard
+
+
+def build(builder, corpus, directory) -> Built:
     from transformers import AutoTokenizer
 
-    shard = mixed_shard(AutoTokenizer.from_pretrained(target))
+    path = builder(corpus, directory)
+    return Built(path, read_target(path), mixed_shard(AutoTokenizer.from_pretrained(path)))
+
+
+def weights_sha256(path) -> str:
+    return hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()
+
+
+class Engines:
+    """One engine alive at a time (memory), reused by every test asking for the same key."""
+
+    def __init__(self):
+        self.key, self.llm = None, None
+
+    def get(self, key, settings_, strategy_kwargs=None):
+        if self.key != key:
+            self.close()
+            self.llm = start_engine(settings_, strategy_kwargs)
+            self.key = key
+        return self.llm
+
+    def close(self):
+        llm, self.llm, self.key = self.llm, None, None
+        if llm is not None:
+            stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    e = Engines()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, corpus):
+    return build(build_tiny_target, corpus, tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_aux(deepseek, engines, tmp_path_factory):
+    """The DeepSeek target's aux_layers capture of the mixed shard, default ids (the baseline)."""
+    plan = make_plan(deepseek.info, default_layer_ids(deepseek.info.num_layers), "aux_layers")
+    return capture(engines.get("deepseek", settings(deepseek.path)), deepseek.shard, plan, tmp_path_factory.mktemp("aux"))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, corpus):
+    return build(build_tiny_qwen3_target, corpus, tmp_path_factory.mktemp("qwen3"))
+
+
+def test_deepseek_both_strategies_match_the_reference_and_each_other(deepseek, deepseek_aux, engines, tmp_path):
+    info, shard, aux = deepseek.info, deepseek.shard, deepseek_aux
     ids = default_layer_ids(info.num_layers)
-    llm = engine(target)
-    try:
-        aux = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path_factory.mktemp("aux"))
-        patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path_factory.mktemp("patched"))
-        # Repeated calls on the same engine give the same rows.
-        again = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path_factory.mktemp("again"))
-        # id 0 (the embeddings) only the patched forward can capture.
-        with_zero = capture(llm, shard, make_plan(info, [0, *ids], "auto"), tmp_path_factory.mktemp("zero"))
-    finally:
-        stop_engine(llm)
+    llm = engines.get("deepseek", settings(deepseek.path))
+    patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "patched")
+    # Repeated calls on the same engine give the same rows.
+    again = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "again")
+    # id 0 (the embeddings) only the patched forward can capture.
+    zero_plan = make_plan(info, [0, *ids], "auto")
+    assert zero_plan["strategy"] == "patched_forward"
+    with_zero = capture(llm, shard, zero_plan, tmp_path / "zero")
     assert_same_states(patched, aux, "patched_forward vs aux_layers")
     assert_same_states(again, aux, "a repeated call on the same engine")
-    model = load_reference_model(target)
+    model = load_reference_model(deepseek.path)
     assert_matches_reference(model, aux, shard, ids)
     assert_matches_reference(model, with_zero, shard, [0, *ids])
     # The final id is the pre-norm state: transformers' last output_hidden_states entry
@@ -124,55 +196,41 @@ def test_deepseek_both_strategies_match_the_reference_and_each_other(tmp_path_fa
     assert rel(final, pre) < 0.05 and rel(final, post) > 0.5
 
 
-def test_tp2_gives_the_same_states_as_tp1(tmp_path_factory, corpus):
-    target = build_tiny_target(corpus, tmp_path_factory.mktemp("deepseek-tp"))
-    info = read_target(target)
-    from transformers import AutoTokenizer
-
-    shard = mixed_shard(AutoTokenizer.from_pretrained(target))
+def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
+    info, shard = deepseek.info, deepseek.shard
     shard = build_shards([Conversation(s, (), "t", i) for i, s in enumerate(shard.sample_ids[:4])],
                          [Tokenized(*shard.sample(i)) for i in range(4)], 4, "t")[0]  # 501 tokens: TP=2 is slow here
     plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
     states = {}
     for tp in (1, 2):
-        llm = engine(target, tp)
-        try:
-            states[tp] = capture(llm, shard, plan, tmp_path_factory.mktemp(f"tp{tp}"), chunk_tokens=100)
-        finally:
-            stop_engine(llm)
+        llm = engines.get("deepseek" if tp == 1 else "deepseek-tp2", settings(deepseek.path, tp))
+        states[tp] = capture(llm, shard, plan, tmp_path / f"tp{tp}", chunk_tokens=100)
     rel = rel_err(states[2], states[1])
     print(f"TP=2 vs TP=1: max abs diff {float((states[2].float() - states[1].float()).abs().max()):.4f}, "
           f"median rel {float(rel.median()):.5f}, p99 rel {float(rel.quantile(0.99)):.4f}")
     # Same tolerance as against the float32 reference: TP changes only reduction order.
     assert float(rel.median()) < 0.05
-    assert_matches_reference(load_reference_model(target), states[2], shard, plan["layer_ids"])
+    assert_matches_reference(load_reference_model(deepseek.path), states[2], shard, plan["layer_ids"])
 
 
-def test_llama_4_scaling_is_applied_by_both_strategies(tmp_path_factory, corpus):
+def test_llama_4_scaling_is_applied_by_both_strategies(deepseek, deepseek_aux, engines, corpus, tmp_path):
     """A DeepseekV3 config with Mistral-Large-3's llama_4_scaling: the model's own aux capture and
     eagleflow's patched forward agree; the same weights without the scaling give other states."""
-    scaled = build_tiny_target(corpus, tmp_path_factory.mktemp("scaled"))
-    cfg = json.loads((scaled / "config.json").read_text())
+    scaled = build(build_tiny_target, corpus, tmp_path / "scaled")
+    cfg = json.loads((scaled.path / "config.json").read_text())
     cfg["llama_4_scaling"] = {"original_max_position_embeddings": 32, "beta": 0.8}
-    (scaled / "config.json").write_text(json.dumps(cfg))
-    plain = build_tiny_target(corpus, tmp_path_factory.mktemp("plain"))
-    info = read_target(scaled)
-    from transformers import AutoTokenizer
-
-    shard = mixed_shard(AutoTokenizer.from_pretrained(scaled))
+    (scaled.path / "config.json").write_text(json.dumps(cfg))
+    info = read_target(scaled.path)
+    # The unscaled run is the shared DeepSeek baseline: the same weights and tokens, only the
+    # config differs.
+    assert weights_sha256(scaled.path) == weights_sha256(deepseek.path)
+    assert np.array_equal(scaled.shard.input_ids, deepseek.shard.input_ids)
+    shard, unscaled = scaled.shard, deepseek_aux
     ids = default_layer_ids(info.num_layers)
-    llm = engine(scaled)
-    try:
-        aux = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path_factory.mktemp("s-aux"))
-        patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path_factory.mktemp("s-patched"))
-    finally:
-        stop_engine(llm)
+    llm = engines.get("scaled", settings(scaled.path))
+    aux = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "s-aux")
+    patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "s-patched")
     assert_same_states(patched, aux, "patched_forward vs aux_layers with llama_4_scaling")
-    llm = engine(plain)
-    try:
-        unscaled = capture(llm, shard, make_plan(read_target(plain), ids, "aux_layers"), tmp_path_factory.mktemp("u"))
-    finally:
-        stop_engine(llm)
     # Positions below 32 are unscaled either way; beyond, the scaling changes the states.
     a, b = int(shard.offsets[1]), int(shard.offsets[2])  # the 480-token sample
     early = rel_err(aux[a:a + 32], unscaled[a:a + 32]).median()
@@ -185,18 +243,49 @@ def test_llama_4_scaling_is_applied_by_both_strategies(tmp_path_factory, corpus)
     assert float(early) < 0.02 and float(late) > max(0.03, 4 * noise)
 
 
-def test_dense_llama_target_through_the_same_path(tmp_path_factory, corpus):
-    target = build_tiny_llama_target(corpus, tmp_path_factory.mktemp("llama"))
-    info = read_target(target)
-    from transformers import AutoTokenizer
-
-    shard = mixed_shard(AutoTokenizer.from_pretrained(target))
-    ids = [0, *default_layer_ids(info.num_layers)]
-    plan = make_plan(info, ids, "auto")
+def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
+    llama = build(build_tiny_llama_target, corpus, tmp_path / "llama")
+    ids = [0, *default_layer_ids(llama.info.num_layers)]
+    plan = make_plan(llama.info, ids, "auto")
     assert plan["strategy"] == "aux_layers"
-    llm = engine(target)
-    try:
-        states = capture(llm, shard, plan, tmp_path_factory.mktemp("llama-out"))
-    finally:
-        stop_engine(llm)
-    assert_matches_reference(load_reference_model(target), states, shard, ids)
+    states = capture(engines.get("llama", settings(llama.path)), llama.shard, plan, tmp_path / "out")
+    assert_matches_reference(load_reference_model(llama.path), states, llama.shard, ids)
+
+
+@pytest.fixture(scope="module")
+def qwen3_aux(qwen3, engines, tmp_path_factory):
+    ids = [0, *default_layer_ids(qwen3.info.num_layers)]
+    plan = make_plan(qwen3.info, ids, "auto")
+    assert plan["strategy"] == "aux_layers" and plan["model_class"].endswith("qwen3.Qwen3ForCausalLM")
+    return capture(engines.get("qwen3", settings(qwen3.path)), qwen3.shard, plan, tmp_path_factory.mktemp("qwen3-aux"))
+
+
+def test_dense_qwen3_target_through_the_same_path(qwen3, qwen3_aux, tmp_path_factory):
+    ids = [0, *default_layer_ids(qwen3.info.num_layers)]
+    stats = assert_matches_reference(load_reference_model(qwen3.path), qwen3_aux, qwen3.shard, ids)
+    out = tmp_path_factory.getbasetemp() / "qwen3_reference.json"
+    out.write_text(json.dumps([s.__dict__ for s in stats], indent=1))
+
+
+def test_extract_hidden_states_end_to_end_on_cpu(qwen3, qwen3_aux, engines, tmp_path, monkeypatch):
+    """vLLM's own extract_hidden_states through eagleflow's extraction code, on the CPU: vLLM's
+    proposer, cache-only KV layer and connector, with only the connector's two CUDA-only calls
+    replaced (tests/cpu_hidden_states_connector.py). The capture plan itself refuses CPU, so the
+    plan is the one a GPU node makes."""
+    from eagleflow.capture import CaptureCheckError
+
+    ids = [0, *default_layer_ids(qwen3.info.num_layers)]
+    with pytest.raises(CaptureCheckError, match="extract.device is 'cpu'"):
+        make_plan(qwen3.info, ids, "extract_hidden_states", device="cpu")
+    plan = make_plan(qwen3.info, ids, "extract_hidden_states", device="cuda")
+    # The connector class is imported inside vLLM's (spawned) processes.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    kwargs = engine_kwargs(plan, tmp_path / "connector", connector="CPUHiddenStatesConnector",
+                           connector_module_path="cpu_hidden_states_connector")
+    llm = engines.get("qwen3-extract-hidden-states", settings(qwen3.path), kwargs)
+    states = capture(llm, qwen3.shard, plan, tmp_path / "out")
+    assert not list((tmp_path / "connector").glob("*.safetensors*"))  # every request file converted
+    # The same shard layout and the same states as the aux_layers strategy, and the reference.
+    assert states.shape == qwen3_aux.shape and states.dtype == qwen3_aux.dtype
+    assert_same_states(states, qwen3_aux, "extract_hidden_states vs aux_layers (Qwen3)")
+    assert_matches_reference(load_reference_model(qwen3.path), states, qwen3.shard, ids)

@@ -143,3 +143,26 @@ def commit_from_connector(outputs, prompts: list[list[int]], plan: dict, dtype: 
     for out in outputs:
         remove_request_file(out.kv_transfer_params["hidden_states_path"])
     return int(hidden.shape[0])
+
+
+def run_connector_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings) -> int:
+    """Prefill the chunks in `todo` one `generate` call each and convert the connector's files
+    of each chunk into its chunk file (the extract_hidden_states counterpart of extract's loop:
+    the rows come from vLLM's files, not from eagleflow's worker hooks)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .extract import chunk_path
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    dtype = llm.llm_engine.model_config.dtype
+    done = 0
+    for i in todo:
+        a, b = ranges[i]
+        prompts = [shard.sample(j)[0].tolist() for j in range(a, b)]
+        with timings.phase("prefill_and_capture"):
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        meta = {"fingerprint": fingerprint, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
+        with timings.phase("commit_wait"):
+            done += commit_from_connector(outputs, prompts, plan, dtype, chunk_path(partial_dir, i), meta)
+    return done
