@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -145,31 +146,49 @@ def main():
     llm = start_engine(settings)
     llm.collective_rpc("eagleflow_install", args=(plan,))
     print(f"engine start (paid once per job): {time.perf_counter() - t0:.1f} s")
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    # Both arms run on this one engine, so they share every setting; vLLM's CPU platform
+    # replaces max_num_batched_tokens for MLA models (chunked prefill off), hence printed as found.
+    print(f"engine settings (both arms): max_num_batched_tokens {sched.max_num_batched_tokens}, "
+          f"max_num_seqs {sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}, "
+          f"prefix caching {llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}, "
+          f"max_model_len {settings.max_model_len}")
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     # Warm-up, not measured: first calls allocate and fault in memory.
     plain_prefill(llm, shards["1x"])
     results = {}
     for name, shard in shards.items():
         n = len(shard.input_ids)
-        plain, ours, written, phases, peaks = [], [], [], [], []
-        for rep in range(args.repeats):
-            # The capture wrapper stays installed; plain runs just never commit. Its per-forward
-            # copy is part of eagleflow's cost, so plain runs without it:
+        plain, ours, written, phases, peaks, loads = [], [], [], [], [], []
+
+        def run_plain():
+            # Plain runs without the capture wrapper (its per-forward copy is eagleflow's cost).
             llm.collective_rpc("eagleflow_uninstall")
             plain.append(n / plain_prefill(llm, shard))
             llm.collective_rpc("eagleflow_install", args=(plan,))
+
+        def run_ours():
             with PeakRSS() as mem:
                 seconds, size, ph = eagleflow_extract(llm, shard, plan, args.workdir / "out", args.chunk_tokens)
             ours.append(n / seconds)
             written.append(size / seconds)
             phases.append(ph)
             peaks.append(mem.peak)
+
+        for rep in range(args.repeats):
+            # Alternate which arm goes first, so neither always follows the other.
+            for run in ((run_plain, run_ours) if rep % 2 == 0 else (run_ours, run_plain)):
+                run()
+            loads.append(os.getloadavg()[0])
         p, o = statistics.median(plain), statistics.median(ours)
         results[name] = {"tokens": n, "plain_tok_s": p, "eagleflow_tok_s": o, "ratio": o / p,
+                         "plain_runs": plain, "eagleflow_runs": ours, "load_1min": loads,
                          "bytes_per_s": statistics.median(written), "peak_rss": max(peaks),
                          "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]}}
         print(f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
               f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
-              f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB")
+              f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB, "
+              f"load average {min(loads):.1f}-{max(loads):.1f}")
         print("  where the extraction's time went (median s): " + ", ".join(
             f"{k} {v:.2f}" for k, v in results[name]["phases"].items()))
     print("peak RSS, 4x shard vs 1x shard: "

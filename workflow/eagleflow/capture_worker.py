@@ -1,14 +1,18 @@
 """Runs inside vLLM's worker processes (`LLM(worker_extension_cls=...)`).
 
-The driver installs a wrapper around the model's forward (`eagleflow_install`), runs prefill
-through the public `LLM.generate`, then asks the worker to commit the captured rows of the
-finished requests as one chunk file (`eagleflow_commit`). Rows are keyed by request and
-placed by the token positions the engine itself used, and the engine's own input ids are
-checked against the expected tokens, so a row can never land in another request's sample.
+The driver installs a wrapper around the model's forward (`eagleflow_install`), feeds the
+engine continuously (`LLMEngine.add_request` / `step`) and registers each chunk's engine
+request ids, lengths and expected tokens (`eagleflow_expect`). As soon as every request of a
+registered chunk has all its rows, the chunk is handed to a writer thread, which places the
+rows by the token positions the engine itself used, checks the engine's input ids against
+the expected tokens (whole-tensor comparisons, no loop over tokens), and writes the chunk
+file (temporary name, rename). So a row can never land in another request's sample, the
+engine never waits for a commit, and writing overlaps the next batches' prefill. At most two
+complete chunks wait for the writer (the forward blocks beyond that), so memory is bounded
+by the chunk size, not the shard size.
 
 Only TP rank 0 keeps states (they are replicated across TP ranks after the all-gathers in
-vLLM's forward). Chunk files are written by a background thread so serialization and disk
-writes overlap the next chunk's prefill; a write error surfaces on the next call.
+vLLM's forward); the other ranks copy nothing. A write error surfaces on the next call.
 Every error raised here carries the full worker traceback in its message.
 """
 
@@ -16,14 +20,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
+import queue
 import threading
 import time
 import traceback
 from itertools import islice
 
 import torch
-from safetensors.torch import save_file
+
+from .safetensors_stream import StreamingWriter
 
 
 def _surface_errors(fn):
@@ -89,15 +94,22 @@ class CaptureExtension:
     def eagleflow_install(self, plan: dict) -> dict:
         model = self.model_runner.model
         self._ef_plan = plan
-        self._ef_rows: dict[str, list] = {}
-        self._ef_writer: threading.Thread | None = None
+        self._ef_rows: dict[str, list] = {}  # engine request id -> [(positions, ids, states)]
+        self._ef_counts: dict[str, int] = {}  # engine request id -> rows kept so far
+        self._ef_expected: list[dict] = []  # registered chunks still missing rows, in order
         self._ef_write_error: str | None = None
         self._ef_rank0 = _tp_rank() == 0
-        # Seconds spent in device->host copies (on the forward path) and in writing chunk files
-        # (on the writer thread, overlapping the next chunk's prefill).
+        # Seconds spent in device->host copies (on the forward path) and in assembling and
+        # writing chunk files (on the writer thread, overlapping the next batches' prefill).
         self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
+        self._ef_queue: queue.Queue = queue.Queue(maxsize=2)
+        self._ef_writer = threading.Thread(target=self._ef_writer_loop, name="eagleflow-chunk-writer",
+                                           daemon=True)
+        self._ef_writer.start()
         layer_ids = tuple(plan["layer_ids"])
-        inner = model.model
+        # A multimodal wrapper (Kimi-K2.5) keeps its text model under `language_model` and
+        # delegates set_aux_hidden_state_layers and forward to it.
+        inner = getattr(model, "language_model", model).model
         if plan["strategy"] == "extract_hidden_states":
             # vLLM itself set the aux layers from the speculative config, and its connector writes
             # the files: nothing to wrap, only check that the engine captures the planned ids.
@@ -153,80 +165,119 @@ class CaptureExtension:
             a, b = bounds[i], bounds[i + 1]
             if b > a:
                 self._ef_rows.setdefault(rid, []).append((pos[a:b], ids[a:b], states[a:b]))
+                self._ef_counts[rid] = self._ef_counts.get(rid, 0) + (b - a)
+        self._ef_hand_over()
 
-    def _ef_wait_writer(self):
-        if self._ef_writer is not None:
-            self._ef_writer.join()
-            self._ef_writer = None
+    def _ef_hand_over(self):
+        """Queue every registered chunk whose requests all have their rows for the writer."""
+        missing = []
+        for spec in self._ef_expected:
+            if all(self._ef_counts.get(r, 0) >= n for r, n in zip(spec["requests"], spec["lengths"])):
+                pieces = [self._ef_rows.pop(r) for r in spec["requests"]]
+                for r in spec["requests"]:
+                    del self._ef_counts[r]
+                self._ef_queue.put((spec, pieces))  # blocks while two chunks wait: bounded memory
+            else:
+                missing.append(spec)
+        self._ef_expected = missing
+
+    def _ef_writer_loop(self):
+        while True:
+            item = self._ef_queue.get()
+            try:
+                if item is None:
+                    return
+                if self._ef_write_error is None:  # after an error, drop chunks until it is reported
+                    t0 = time.perf_counter()
+                    self._ef_write_chunk(*item)
+                    self._ef_stats["chunk_write"] += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - reported on the next call
+                self._ef_write_error = traceback.format_exc()
+            finally:
+                self._ef_queue.task_done()
+
+    @staticmethod
+    def _ef_write_chunk(spec: dict, pieces: list) -> None:
+        """Place each request's rows by position, check them and the engine's input ids, write."""
+        n_tok = sum(spec["lengths"])
+        first = pieces[0][0][2]
+        hidden = torch.empty((n_tok, *first.shape[1:]), dtype=first.dtype)
+        input_ids = torch.empty(n_tok, dtype=torch.int64)
+        row = 0
+        for rid, length, parts in zip(spec["requests"], spec["lengths"], pieces):
+            pos, ids, states = (torch.cat(x) for x in zip(*parts)) if len(parts) > 1 else parts[0]
+            want = torch.arange(length, dtype=pos.dtype)
+            if not torch.equal(pos, want):
+                keep = pos < length  # drop any decode step scheduled past the prompt
+                order = torch.argsort(pos[keep])
+                pos, ids, states = pos[keep][order], ids[keep][order], states[keep][order]
+                if not torch.equal(pos, want):
+                    raise RuntimeError(
+                        f"request {rid}: captured positions do not cover 0..{length - 1} exactly once "
+                        f"(got {len(pos)} rows; prefix caching must be off)"
+                    )
+            hidden[row:row + length] = states
+            input_ids[row:row + length] = ids
+            row += length
+        expected = torch.frombuffer(bytearray(spec["token_bytes"]), dtype=torch.int64)
+        if not torch.equal(input_ids, expected):
+            bad = int((input_ids != expected).nonzero()[0])
+            starts = torch.cumsum(torch.tensor([0, *spec["lengths"]]), 0)
+            rid = spec["requests"][int(torch.searchsorted(starts, bad, right=True)) - 1]
+            raise RuntimeError(f"request {rid}: the engine's input ids differ from the sample's tokens")
+        layout = [("hidden_states", hidden.dtype, tuple(hidden.shape)), ("input_ids", torch.int64, (n_tok,))]
+        writer = StreamingWriter(spec["path"], layout, {k: json.dumps(v) for k, v in spec["metadata"].items()},
+                                 digest=False)
+        try:
+            writer.write("hidden_states", hidden)
+            writer.write("input_ids", input_ids)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _ef_raise_write_error(self):
         if self._ef_write_error is not None:
             err, self._ef_write_error = self._ef_write_error, None
             raise RuntimeError(f"writing a chunk failed:\n{err}")
 
     @_surface_errors
-    def eagleflow_commit(self, request_ids: list[str], expected_ids: list[list[int]], path: str,
-                         metadata: dict) -> int:
-        """Assemble the rows of `request_ids` (in that order) and write them to `path`."""
+    def eagleflow_expect(self, chunk: int, request_ids: list[str], lengths: list[int], token_bytes: bytes,
+                         path: str, metadata: dict) -> int:
+        """Register chunk `chunk`: the engine request ids of its samples (in order), their
+        lengths, the expected tokens (int64 bytes) and the file to write once all rows are in."""
+        self._ef_raise_write_error()
         if not self._ef_rank0:
-            self._ef_rows.clear()
             return 0
-        self._ef_wait_writer()
-        engine_ids = {}
-        for rid in self._ef_rows:
-            # Engine request ids carry a suffix ("7-b8b8dadd") that LLM outputs do not ("7").
-            engine_ids.setdefault(rid.split("-")[0], []).append(rid)
-        parts, captured_ids = [], []
-        for rid, want in zip(request_ids, expected_ids):
-            matches = engine_ids.get(rid, [])
-            if len(matches) != 1:
-                raise RuntimeError(f"request {rid}: expected one engine request with captured rows, found {matches}")
-            pieces = self._ef_rows.pop(matches[0])
-            pos = torch.cat([p for p, _, _ in pieces])
-            ids = torch.cat([t for _, t, _ in pieces])
-            states = torch.cat([s for _, _, s in pieces])
-            keep = pos < len(want)  # drop any decode step scheduled past the prompt
-            pos, ids, states = pos[keep], ids[keep], states[keep]
-            order = torch.argsort(pos)
-            pos, ids, states = pos[order], ids[order], states[order]
-            if not torch.equal(pos, torch.arange(len(want), dtype=pos.dtype)):
-                raise RuntimeError(
-                    f"request {rid}: captured positions do not cover 0..{len(want) - 1} exactly once "
-                    f"(got {len(pos)} rows; prefix caching must be off)"
-                )
-            if ids.tolist() != want:
-                raise RuntimeError(f"request {rid}: the engine's input ids differ from the sample's tokens")
-            parts.append(states)
-            captured_ids.append(ids)
-        self._ef_rows.clear()
-        hidden = torch.cat(parts).contiguous()
-        input_ids = torch.cat(captured_ids).to(torch.int64)
-
-        def write():
-            t0 = time.perf_counter()
-            try:
-                tmp = path + ".tmp"
-                save_file({"hidden_states": hidden, "input_ids": input_ids}, tmp,
-                          metadata={k: json.dumps(v) for k, v in metadata.items()})
-                os.replace(tmp, path)
-            except Exception:  # noqa: BLE001 - reported on the next call
-                self._ef_write_error = traceback.format_exc()
-            self._ef_stats["chunk_write"] += time.perf_counter() - t0
-
-        self._ef_writer = threading.Thread(target=write, name="eagleflow-chunk-writer")
-        self._ef_writer.start()
-        return int(hidden.shape[0])
+        if len(token_bytes) != 8 * sum(lengths):
+            raise ValueError(f"chunk {chunk}: {len(token_bytes)} bytes of tokens for {sum(lengths)} tokens")
+        self._ef_expected.append({"chunk": chunk, "requests": list(request_ids), "lengths": list(lengths),
+                                  "token_bytes": token_bytes, "path": path, "metadata": metadata})
+        self._ef_hand_over()  # rows may already be in
+        return sum(lengths)
 
     @_surface_errors
     def eagleflow_finish(self) -> dict:
-        """Wait for the last chunk write; return (and reset) the worker's timings."""
-        self._ef_wait_writer()
+        """Wait until every registered chunk is written; return (and reset) the worker's timings."""
+        if self._ef_expected:
+            spec = self._ef_expected[0]
+            short = [r for r, n in zip(spec["requests"], spec["lengths"]) if self._ef_counts.get(r, 0) < n]
+            raise RuntimeError(f"chunk {spec['chunk']}: no complete rows for requests {short[:5]} "
+                               f"({len(self._ef_expected)} chunks incomplete)")
+        self._ef_queue.join()
+        self._ef_raise_write_error()
+        self._ef_rows.clear()  # rows of requests no chunk claimed
+        self._ef_counts.clear()
         stats, self._ef_stats = self._ef_stats, {k: 0.0 for k in self._ef_stats}
         return stats
 
     @_surface_errors
     def eagleflow_uninstall(self) -> None:
-        self._ef_wait_writer()
+        self._ef_queue.put(None)
+        self._ef_writer.join()
         model = self.model_runner.model
         if "forward" in vars(model):
             del model.forward
         self._ef_undo()
-        self._ef_rows = {}
+        self._ef_rows, self._ef_counts, self._ef_expected = {}, {}, []
+        self._ef_raise_write_error()

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from .layers import CONVENTION
 from .headers import read_header
-from .hidden_states_connector import commit_from_connector, strategy_engine_kwargs
+from .hidden_states_connector import run_connector_chunks, strategy_engine_kwargs
 from .safetensors_stream import StreamingWriter
 from .shards import read_token_shard
 
@@ -235,31 +235,51 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
 
 
 def _run_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings, log) -> int:
+    """Prefill the chunks in `todo` through one continuously fed engine loop.
+
+    Requests go in chunk by chunk while fewer than two engine batches of tokens are queued
+    (`max_num_batched_tokens` each), so every forward is as full as in one plain `generate`
+    over the whole shard: no drain at chunk ends, no partial first batch per chunk, and the
+    driver never waits for a commit. Each chunk is registered with the workers right after
+    its requests are added; they write it when its rows are complete (capture_worker).
+    """
+    if plan["strategy"] == "extract_hidden_states":  # rows come from vLLM's connector files
+        return run_connector_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings)
     from tqdm import tqdm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    engine = llm.llm_engine
+    queue_tokens = 2 * engine.vllm_config.scheduler_config.max_num_batched_tokens
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    total = sum(int(shard.offsets[ranges[i][1]] - shard.offsets[ranges[i][0]]) for i in todo)
-    done = 0
+    offsets = shard.offsets
+    waiting = list(todo)
+    total = sum(int(offsets[ranges[i][1]] - offsets[ranges[i][0]]) for i in todo)
+    queued = done = 0
     with tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract {shard.shard_id}",
               file=sys.stderr, mininterval=2.0) as bar:
-        for i in todo:
-            a, b = ranges[i]
-            prompts = [shard.sample(j)[0].tolist() for j in range(a, b)]
-            with timings.phase("prefill_and_capture"):
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-            meta = {"fingerprint": fingerprint, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
-            with timings.phase("commit_wait"):
-                if plan["strategy"] == "extract_hidden_states":  # vLLM's connector wrote one file per request
-                    commit_from_connector(outputs, prompts, plan, llm.llm_engine.model_config.dtype,
-                                          chunk_path(partial_dir, i), meta)
-                else:
-                    llm.collective_rpc("eagleflow_commit", args=(
-                        [o.request_id for o in outputs], prompts, str(chunk_path(partial_dir, i)), meta))
-            n = sum(len(p) for p in prompts)
-            done += n
-            bar.update(n)
+        with timings.phase("prefill_and_capture"):
+            while waiting or engine.has_unfinished_requests():
+                while waiting and queued < queue_tokens:
+                    i = waiting.pop(0)
+                    a, b = ranges[i]
+                    request_ids = [
+                        engine.add_request(f"c{i}s{j}", TokensPrompt(prompt_token_ids=shard.sample(j)[0].tolist()),
+                                           params)
+                        for j in range(a, b)
+                    ]
+                    lo, hi = int(offsets[a]), int(offsets[b])
+                    meta = {"fingerprint": fingerprint, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
+                    llm.collective_rpc("eagleflow_expect", args=(
+                        i, request_ids, np.diff(offsets[a:b + 1]).tolist(),
+                        shard.input_ids[lo:hi].astype(np.int64).tobytes(), str(chunk_path(partial_dir, i)), meta))
+                    queued += hi - lo
+                for out in engine.step():
+                    if out.finished:
+                        n = len(out.prompt_token_ids)
+                        queued -= n
+                        done += n
+                        bar.update(n)
         with timings.phase("commit_wait"):
             worker_stats = llm.collective_rpc("eagleflow_finish")[0]
     for k, v in worker_stats.items():

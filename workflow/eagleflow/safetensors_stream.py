@@ -30,7 +30,7 @@ class StreamingWriter:
     """`layout` = [(name, dtype, shape)] in file order; then `write(name, tensor)` in that order,
     any number of pieces per tensor (concatenated along dim 0)."""
 
-    def __init__(self, path: str | Path, layout, metadata: dict[str, str]):
+    def __init__(self, path: str | Path, layout, metadata: dict[str, str], digest: bool = True):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         header, offset = {}, 0
@@ -47,12 +47,14 @@ class StreamingWriter:
         blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
         self.order = [name for name, _, _ in layout]
         self.written = {name: 0 for name in self.order}
-        self.sha = hashlib.sha256()
+        # digest=False (chunk files, checked by assembly instead) skips hashing: close returns None.
+        self.sha = hashlib.sha256() if digest else None
         self.f = open(self.tmp, "wb")
         self._emit(struct.pack("<Q", len(blob)) + blob)
 
     def _emit(self, data) -> None:
-        self.sha.update(data)
+        if self.sha is not None:
+            self.sha.update(data)
         self.f.write(data)
 
     def write(self, name: str, t: torch.Tensor) -> None:
@@ -65,7 +67,7 @@ class StreamingWriter:
         self._emit(data)
         self.written[name] += len(data)
 
-    def close(self) -> tuple[str, int]:
+    def close(self) -> tuple[str | None, int]:
         """Check completeness, fsync, rename into place; returns (sha256, size)."""
         short = [n for n in self.order if self.written[n] != self.sizes[n]]
         if short:
@@ -76,7 +78,7 @@ class StreamingWriter:
         self.f.close()
         size = self.tmp.stat().st_size
         os.replace(self.tmp, self.path)
-        return self.sha.hexdigest(), size
+        return (self.sha.hexdigest() if self.sha is not None else None), size
 
     def abort(self) -> None:
         self.f.close()

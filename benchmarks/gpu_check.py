@@ -1,0 +1,271 @@
+"""GPU checks that need no vLLM: the reference-check path and draft-training throughput.
+
+The GPU machine lent for checks (one H200) has PyTorch but no vLLM, so this script covers
+what runs without it, at realistic sizes, and prints one figures table:
+
+  (a) reference check (`eagleflow.reference`): a DeepseekV3 target at DeepSeek-V3's widths
+      (hidden 7168, MLA with q_lora 1536 / kv_lora 512 / 128 heads, vocab 129,280; fewer
+      layers and experts so it fits one GPU), random weights. "Captured" states are the
+      same forward in bf16 (what vLLM computes; vLLM itself is not on that machine), stored
+      in the shard layout; `check_shard_against_reference` recomputes them in float32 and
+      reports per-layer error and the reference forward's throughput.
+  (b) draft training (`eagleflow.draft_model` + `eagleflow.train_draft` pieces): the EAGLE-3
+      draft sized for DeepSeek-V3 / Kimi-K2 (hidden 7168) and a Llama-3-8B-sized target
+      (hidden 4096), bf16 autocast, AdamW, 3 TTT steps: step time, tokens/s, peak GPU memory.
+
+Usage (from the repository root):
+  python benchmarks/gpu_check.py                        # one H200, under 8 minutes
+  python benchmarks/gpu_check.py --device cpu --small   # smoke mode: tiny sizes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+import torch  # noqa: E402
+
+from eagleflow.draft_data import ShardLayout, build_batch  # noqa: E402
+from eagleflow.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagleflow.layers import default_layer_ids  # noqa: E402
+from eagleflow.reference import check_shard_against_reference, reference_states  # noqa: E402
+from eagleflow.target_head import TargetHead  # noqa: E402
+from eagleflow.train_draft import TrainConfig, lr_at, ttt_loss  # noqa: E402
+
+# DeepSeek-V3's widths; depth and expert count cut so the float32 reference fits one GPU.
+REFERENCE_TARGET = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=8, num_attention_heads=128, num_key_value_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=4096, tie_word_embeddings=False,
+)
+SMALL_TARGET = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=512, tie_word_embeddings=False,
+)
+# Draft targets: (name, target config fields the draft is sized from, tokens per step to try).
+DRAFT_CASES = [
+    ("deepseek-v3 / kimi-k2", dict(hidden_size=7168, intermediate_size=18432, vocab_size=129280,
+                                   num_hidden_layers=61), (2048, 4096)),
+    ("llama-3-8b", dict(hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                        num_hidden_layers=32), (2048, 4096, 8192)),
+]
+SMALL_DRAFT_CASES = [
+    ("small", dict(hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=8), (128,)),
+]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def sample_offsets(n_samples: int, length: int, seed: int) -> list[int]:
+    """Sample boundaries: lengths spread over [length/2, length] (a chat shard is not uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 2, length + 1, (n_samples,), generator=g)
+    return [0] + torch.cumsum(lengths, 0).tolist()
+
+
+def build_target(fields: dict, device: torch.device):
+    """A random-weight DeepseekV3ForCausalLM (float32) built directly on `device`."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**fields)
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(config)
+    return model.float().eval()
+
+
+def run_reference(args, device: torch.device) -> list[dict]:
+    """(a) bf16 'captured' states vs the float32 reference, through eagleflow.reference."""
+    import copy
+
+    fields = SMALL_TARGET if args.small else REFERENCE_TARGET
+    n_samples, length = (3, 24) if args.small else (args.ref_samples, args.ref_length)
+    import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401 - import apart from build time
+    reset_peak(device)
+    t0 = time.perf_counter()
+    model = build_target(fields, device)
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    L = fields["num_hidden_layers"]
+    layer_ids = default_layer_ids(L)
+    offsets = sample_offsets(n_samples, length, seed=1)
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, fields["vocab_size"], (offsets[-1],), generator=g).numpy()
+    # What extraction would have stored: bf16 states [T, n_layers, H] in the shard layout.
+    t0 = time.perf_counter()
+    captured = torch.cat([reference_states(model_bf16, input_ids[a:b], layer_ids)
+                          for a, b in zip(offsets[:-1], offsets[1:])]).to(torch.bfloat16)
+    sync(device)
+    capture_s = time.perf_counter() - t0
+    del model_bf16
+    t0 = time.perf_counter()
+    stats = check_shard_against_reference(model, captured, input_ids, offsets, layer_ids,
+                                          list(range(n_samples)))
+    sync(device)
+    check_s = time.perf_counter() - t0
+    n_tok = offsets[-1]
+    size = (f"hidden {fields['hidden_size']}, {L} layers, {fields['n_routed_experts']} experts, "
+            f"{n_samples} samples / {n_tok} tokens")
+    print(f"reference target: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+          f"built in {build_s:.1f} s; layer ids {layer_ids}")
+    rows = []
+    for s in stats:
+        rows.append({
+            "check": f"reference layer {s.layer_id}", "size": size,
+            "figure": (f"median rel err {s.median_rel_err:.4f}, p95 {s.p95_rel_err:.4f}, "
+                       f"mean cos {s.mean_cosine:.5f}, neighbour {s.shifted_median_rel_err:.3f}, "
+                       f"{'ok' if s.ok else 'FAIL'}"),
+            "peak_gib": peak_gib(device)})
+    rows.append({"check": "reference forward (fp32, all layers)", "size": size,
+                 "figure": f"{n_tok / check_s:,.0f} tok/s ({check_s:.2f} s); bf16 capture "
+                           f"{n_tok / capture_s:,.0f} tok/s",
+                 "peak_gib": peak_gib(device)})
+    del model
+    return rows
+
+
+def draft_step_fn(model, head, params, optim, cfg: TrainConfig, device: torch.device):
+    """One optimizer step exactly as `train_draft.train` takes it (autocast bf16 on CUDA)."""
+
+    def step(batch, i):
+        for group in optim.param_groups:
+            group["lr"] = lr_at(cfg, i)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
+        loss, _ = ttt_loss(logits, head(batch.final), batch, cfg.step_weight)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optim.step()
+        return loss
+
+    return step
+
+
+def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int, seed: int):
+    """A pack of n_tokens rows with the stored layout: bf16 states [N, n_layers, H]."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = sample_offsets(n_tokens, max(8, n_tokens // 4), seed)
+    starts = [o for o in offsets if o < n_tokens]
+    ids = torch.randint(0, target["vocab_size"], (n_tokens,), generator=g)
+    mask = torch.rand(n_tokens, generator=g) < 0.7
+    hidden = torch.randn(n_tokens, len(layout.layer_ids), target["hidden_size"], generator=g).to(torch.bfloat16)
+    return build_batch(ids, mask, hidden, starts, layout, steps)
+
+
+def run_draft(args, device: torch.device) -> list[dict]:
+    """(b) draft-training step time, tokens/s and peak memory."""
+    cases = SMALL_DRAFT_CASES if args.small else DRAFT_CASES
+    draft_vocab = 256 if args.small else 32000
+    cfg = TrainConfig()
+    rows = []
+    for name, target, token_counts in cases:
+        L = target["num_hidden_layers"]
+        ids = default_layer_ids(L)
+        layout = ShardLayout([], ids, L, [i for i in ids if i != L])
+        dcfg = DraftConfig.for_target(target, draft_vocab, len(layout.aux_ids))
+        torch.manual_seed(0)
+        model = Eagle3Draft(dcfg).to(device)
+        g = torch.Generator().manual_seed(3)
+        head = TargetHead(torch.ones(dcfg.hidden_size),
+                          torch.randn(draft_vocab, dcfg.hidden_size, generator=g) * 0.02,
+                          dcfg.rms_norm_eps).to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optim = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        step = draft_step_fn(model, head, params, optim, cfg, device)
+        trainable = sum(p.numel() for p in params) / 1e6
+        for n_tokens in token_counts:
+            size = (f"{name}: hidden {dcfg.hidden_size}, {dcfg.num_attention_heads} heads, "
+                    f"{trainable:.0f}M trainable, {n_tokens} tok/step, TTT {cfg.ttt_steps}")
+            batch = synthetic_batch(target, n_tokens, layout, cfg.ttt_steps, seed=n_tokens).to(device)
+            reset_peak(device)
+            try:
+                for i in range(args.warmup):
+                    step(batch, i)
+                sync(device)
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    loss = step(batch, args.warmup + i).detach()
+                sync(device)
+                seconds = (time.perf_counter() - t0) / args.steps
+            except torch.OutOfMemoryError:
+                rows.append({"check": "draft training", "size": size, "figure": "out of memory",
+                             "peak_gib": peak_gib(device)})
+                optim.zero_grad(set_to_none=True)
+                del batch
+                reset_peak(device)
+                continue
+            rows.append({"check": "draft training", "size": size,
+                         "figure": (f"{n_tokens / seconds:,.0f} tok/s, {seconds * 1000:.0f} ms/step, "
+                                    f"loss {loss.item():.3f}"),
+                         "peak_gib": peak_gib(device)})
+            del batch
+        del model, head, optim, params
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--small", action="store_true", help="tiny sizes: a smoke run for any device")
+    ap.add_argument("--ref-samples", type=int, default=8)
+    ap.add_argument("--ref-length", type=int, default=1024, help="longest reference sample (tokens)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed draft-training steps per case")
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--skip-draft", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device; run with --device cpu --small for the smoke mode", file=sys.stderr)
+        return 2
+    if args.small:
+        args.warmup, args.steps = 1, 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"device: {device} ({name}); torch {torch.__version__}; {'small' if args.small else 'full'} sizes")
+    t_start = time.perf_counter()
+    rows = []
+    if not args.skip_reference:
+        rows += run_reference(args, device)
+    if not args.skip_draft:
+        rows += run_draft(args, device)
+    print()
+    print("| check | size | figure | peak GPU memory |")
+    print("|---|---|---|---|")
+    for r in rows:
+        peak = "n/a (cpu)" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+        print(f"| {r['check']} | {r['size']} | {r['figure']} | {peak} |")
+    print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
