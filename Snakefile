@@ -1,12 +1,16 @@
 # eagleflow: vLLM target -> hidden states -> EAGLE-3 draft.
-# Usage: `snakemake --cores all extract` (one machine), `snakemake --profile slurm` (cluster).
+# Usage: `snakemake --cores all` (extract, train the draft, export, evaluate),
+# `snakemake --cores all extract` (extraction only), `snakemake --profile slurm` (cluster).
 
 
 configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/draft_common.smk"
 include: "workflow/rules/fixtures.smk"
+include: "workflow/rules/target_training.smk"
+include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/validate.smk"
 include: "workflow/rules/shard.smk"
 include: "workflow/rules/patch.smk"
@@ -16,13 +20,13 @@ include: "workflow/rules/plan.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/target_training.smk"
 
 
 rule all:
     default_target: True
     input:
         extraction_summary,
+        evaluation_outputs,
 
 
 rule extract:

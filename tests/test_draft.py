@@ -268,40 +268,43 @@ def test_export_refuses_disagreeing_shards_or_ids(tiny, tmp_path):
 
 # ---------------------------------------------------------------- vLLM loads the export
 
-TINY_TARGET = REPO / "resources" / "targets" / "tiny-deepseek-v3"
-
-
 @pytest.mark.vllm
-def test_exported_draft_loads_and_drafts_in_vllm(tmp_path):
-    if not (TINY_TARGET / "model.safetensors").exists():
-        pytest.skip("the embedded target is not built (snakemake resources/targets/tiny-deepseek-v3)")
-    from eagleflow.train_draft import build_draft
-    from eagleflow.draft_vocab import vocab_from_counts
+def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, tmp_path):
+    """`snakemake` (rule all) on a copy of the extracted small default: no re-extraction; the
+    draft vocabulary, a short training run, the export, and `evaluate`, which loads target +
+    exported draft in vLLM (method eagle3) on held-out prompts and runs the reference loop;
+    then `--report` holds the training curves, the acceptance plot and the verification table."""
+    from eagleflow.heldout import is_heldout
+    from workflow_runner import SMALL, copy_workdir, hidden_dir, job_counts, merged, snakemake
 
-    tcfg = json.loads((TINY_TARGET / "config.json").read_text())
-    nl = tcfg["num_hidden_layers"]
-    layer_ids = [2, nl // 2, nl - 3, nl]
-    shard = tmp_path / "shard.safetensors"
-    save_file({"hidden_states": torch.zeros(2, 4, tcfg["hidden_size"]).bfloat16(),
-               "input_ids": torch.tensor([1, 2]), "loss_mask": torch.tensor([1, 1], dtype=torch.uint8),
-               "offsets": torch.tensor([0, 2])}, str(shard),
-              metadata={"layer_ids": json.dumps(layer_ids), "layer_id_convention": "vllm"})
-    counts = torch.arange(tcfg["vocab_size"])  # a pruned vocabulary: exercise d2t
-    vocab = vocab_from_counts(counts, tcfg["vocab_size"] // 2)
-    draft = build_draft(TINY_TARGET, vocab, 3, seed=0)
-    export = tmp_path / "draft"
-    export_draft(draft, layer_ids[:3], [shard], TINY_TARGET, export)
-    out = tmp_path / "check.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "eagleflow.spec_decode_check", "--target", str(TINY_TARGET),
-         "--draft", str(export), "--k", "3", "--max-tokens", "16", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(out.read_text())
-    c = result["counters"]
-    assert c["num_drafts"] > 0 and c["num_draft_tokens"] >= 3 * c["num_drafts"] - 3
-    assert result["generated_tokens"] == 2 * 16
+    work = copy_workdir(extracted_workdir, tmp_path / "run")
+    config = merged(SMALL, {"draft": {"vocab_size": 256, "steps": 12, "ckpt_every": 6, "max_tokens": 512,
+                                      "warmup_steps": 2},
+                            "evaluate": {"num_prompts": 3, "max_tokens": 10, "speculative_tokens": 2,
+                                         "paths": ["vllm_eagle3", "reference"]}})
+    proc = snakemake(work, config=config)
+    counts = job_counts(proc.stdout)
+    assert "extract_shard" not in counts and "shard" not in counts, counts
+    assert all(counts.get(r) == 1 for r in ("draft_vocab", "train_draft", "export_draft", "evaluate")), counts
+    fp = hidden_dir(work).name
+    results = work / "results"
+    layer_ids = json.loads((hidden_dir(work) / "capture_plan.json").read_text())["layer_ids"]
+    export = json.loads((results / "draft" / fp / "export" / "config.json").read_text())
+    assert export["eagle_aux_hidden_state_layer_ids"] == layer_ids[:-1] and export["draft_vocab_size"] == 256
+    vocab = json.loads((results / "draft" / fp / "vocab.json").read_text())
+    assert 0.9 < vocab["coverage"] <= 1 and 0 < vocab["heldout_coverage"] <= 1
+    with open(results / "draft" / fp / "train" / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 13))
+    report = json.loads((results / "eval" / fp / "acceptance.json").read_text())
+    assert report["k"] == 2 and all(is_heldout(s) for s in report["heldout"]["sample_ids"])
+    eagle, ref = report["results"]["vllm_eagle3"], report["results"]["reference"]
+    assert "error" not in eagle, eagle.get("stderr_tail")
+    assert eagle["num_drafts"] > 0 and len(eagle["num_accepted_tokens_per_pos"]) == 2
+    assert 1 <= eagle["acceptance_length"] <= 3 and ref["num_drafts"] > 0
+    html = work / "report.html"
+    snakemake(work, "--report", str(html), config=config)
+    text = html.read_text(errors="replace")
+    assert all(name in text for name in ("curves.png", "acceptance.png", "verify_summary.tsv"))
 
 
 # ---------------------------------------------------------------- the draft's forward == vLLM's
@@ -375,6 +378,33 @@ def test_heldout_split_is_by_content_hash_and_stable():
     p = heldout_prompts(convs, limit=3)
     assert len(p) == 3 and p[0]["messages"] == [{"role": "user", "content": p[0]["messages"][0]["content"]}]
     assert p[0]["reference"].startswith("a")
+
+
+def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
+    from eagleflow.draft_data import shard_metadata
+    from eagleflow.draft_vocab import count_masked_tokens
+    from eagleflow.heldout import excluder
+
+    _, shards = tiny
+    exclude = excluder(4)
+    held_rows, train_rows = set(), set()
+    expected = torch.zeros(V, dtype=torch.long)
+    for s, path in enumerate(shards):
+        with safe_open(str(path), framework="pt") as f:
+            offsets = f.get_tensor("offsets").tolist()
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool()
+        for i, sid in enumerate(shard_metadata(path)["sample_ids"]):
+            rows = {(s, r) for r in range(offsets[i], offsets[i + 1])}
+            if exclude(sid):
+                held_rows |= rows
+            else:
+                train_rows |= rows
+                seg = slice(offsets[i], offsets[i + 1])
+                expected += torch.bincount(ids[seg][mask[seg]], minlength=V)
+    assert held_rows and train_rows
+    packed = {(s, r) for s, a, b in make_packs(shards, 40, exclude=exclude) for r in range(a, b)}
+    assert packed == train_rows  # every training row once the packs are cut, no held-out row
+    assert torch.equal(count_masked_tokens(shards, V, exclude=exclude), expected)
 
 
 def test_reference_loop_counts_like_vllm(monkeypatch):

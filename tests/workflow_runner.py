@@ -13,6 +13,12 @@ SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # Small enough for CI (4 shards of 100 conversations), large enough to exercise caching.
 SMALL = {"data": {"bundled_conversations": 400, "shard_size": 100}}
 
+# Under every test config: the extraction tests run on the untrained embedded target and the
+# dataset as it is (no target training, no response regeneration: minutes of CPU each);
+# tests of those stages switch them back on explicitly.
+EXTRACTION_BASE = {"target": {"path": "resources/targets/tiny-deepseek-v3"},
+                   "data": {"regenerate": {"enabled": False}}}
+
 
 def merged(base: dict, override: dict) -> dict:
     out = dict(base)
@@ -23,7 +29,7 @@ def merged(base: dict, override: dict) -> dict:
 
 def write_config(workdir: Path, override: dict) -> Path:
     """The default config with `override` merged in, written into the run's directory."""
-    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    base = merged(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), EXTRACTION_BASE)
     path = Path(workdir) / "test-config.yaml"
     path.write_text(yaml.safe_dump(merged(base, override)))
     return path

@@ -38,7 +38,7 @@ def load_prompts(dataset, tokenizer_dir, limit: int = 32, modulus: int = HELDOUT
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    conversations, _ = read_conversations(dataset)
+    conversations, _ = read_conversations(dataset, require_assistant=False)  # prompt-only rows too
     out = []
     for p in heldout_prompts(conversations, modulus, limit):
         ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,

@@ -89,14 +89,25 @@ def _plain(value):
     return value
 
 
-def normalize_messages(record: dict) -> tuple[dict, ...]:
-    """OpenAI `messages` or ShareGPT `conversations` -> OpenAI messages; ValueError says why not."""
+def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[dict, ...]:
+    """OpenAI `messages`, ShareGPT `conversations` or MT-Bench `turns` (a list of user turns)
+    -> OpenAI messages; ValueError says why not. Prompt-only rows (no assistant turn: `turns`,
+    or messages without one) pass only with `require_assistant=False` (response regeneration
+    completes them)."""
+    if "turns" in record and "messages" not in record and "conversations" not in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("empty `turns`")
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, str):
+                raise ValueError(f"turn {i} of `turns` is not a string")
+        record = {"messages": [{"role": "user", "content": t} for t in turns]}
     if "messages" in record:
         turns, role_key, text_key, names = record["messages"], "role", "content", None
     elif "conversations" in record:
         turns, role_key, text_key, names = record["conversations"], "from", "value", SHAREGPT_ROLES
     else:
-        raise ValueError("no `messages` (OpenAI) or `conversations` (ShareGPT) field")
+        raise ValueError("no `messages` (OpenAI), `conversations` (ShareGPT) or `turns` (prompts) field")
     if not isinstance(turns, list) or not turns:
         raise ValueError("empty conversation")
     messages = []
@@ -110,8 +121,10 @@ def normalize_messages(record: dict) -> tuple[dict, ...]:
         if not isinstance(turn[text_key], str):
             raise ValueError(f"turn {i} content is not a string")
         messages.append({"role": role, "content": turn[text_key]})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant turn")
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant turn (a prompt-only dataset needs `data.regenerate.enabled`)")
+    if not require_assistant and not any(m["role"] == "user" for m in messages):
+        raise ValueError("no user turn to answer")
     return tuple(messages)
 
 
@@ -120,7 +133,8 @@ def content_id(messages: tuple[dict, ...]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def read_conversations(path: str | Path) -> tuple[list[Conversation], list[BadRow]]:
+def read_conversations(path: str | Path, require_assistant: bool = True
+                       ) -> tuple[list[Conversation], list[BadRow]]:
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"{path}: dataset file not found; set `data.path` in the config")
@@ -133,11 +147,12 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], list[BadRo
             bad.append(BadRow(str(path), row, "row is not a JSON object", raw))
             continue
         try:
-            messages = normalize_messages(record)
+            messages = normalize_messages(record, require_assistant)
         except ValueError as e:
             bad.append(BadRow(str(path), row, str(e), raw))
             continue
-        sample_id = str(record["id"]) if record.get("id") is not None else content_id(messages)
+        given = record.get("id", record.get("question_id"))
+        sample_id = str(given) if given is not None else content_id(messages)
         if sample_id in seen:
             bad.append(BadRow(str(path), row, f"duplicate sample id {sample_id!r}", raw))
             continue

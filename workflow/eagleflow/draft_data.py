@@ -73,14 +73,25 @@ def read_layout(paths, num_hidden_layers: int) -> ShardLayout:
     return ShardLayout(paths, layer_ids, num_hidden_layers, aux)
 
 
-def make_packs(paths, max_tokens: int) -> list[tuple[int, int, int]]:
-    """(shard index, first row, end row) of every pack, reading only each shard's offsets."""
+def make_packs(paths, max_tokens: int, exclude=None) -> list[tuple[int, int, int]]:
+    """(shard index, first row, end row) of every pack, reading only each shard's offsets and
+    sample ids. Samples for which `exclude(sample_id)` is true (the held-out split) are in no
+    pack."""
     packs = []
     for s, path in enumerate(paths):
         with safe_open(str(path), framework="pt") as f:
             offsets = f.get_tensor("offsets").tolist()
+            sample_ids = json.loads((f.metadata() or {}).get("sample_ids", "null"))
+        if exclude is not None and (sample_ids is None or len(sample_ids) != len(offsets) - 1):
+            raise ValueError(f"{path}: metadata `sample_ids` missing or not one per sample; "
+                             "the held-out split cannot be applied")
         start = end = offsets[0]
-        for a, b in zip(offsets[:-1], offsets[1:]):
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            if exclude is not None and exclude(sample_ids[i]):
+                if end > start:
+                    packs.append((s, start, end))
+                start = end = b
+                continue
             if b - a >= max_tokens:  # a long sample alone, cut to max_tokens
                 if end > start:
                     packs.append((s, start, end))

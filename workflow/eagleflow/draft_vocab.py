@@ -52,16 +52,26 @@ class DraftVocab:
         }
 
 
-def count_masked_tokens(shard_paths, vocab_size: int) -> torch.Tensor:
-    """Counts of every target id over the loss-masked positions of the shards.
+def count_masked_tokens(shard_paths, vocab_size: int, exclude=None) -> torch.Tensor:
+    """Counts of every target id over the loss-masked positions of the shards; samples for
+    which `exclude(sample_id)` is true (the held-out split) are not counted.
 
-    Reads only `input_ids` and `loss_mask` (small) from each shard, never its hidden states.
+    Reads only `input_ids`, `loss_mask` and `offsets` (small) from each shard, never its
+    hidden states.
     """
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for path in shard_paths:
         with safe_open(str(path), framework="pt") as f:
             ids = f.get_tensor("input_ids").long()
             mask = f.get_tensor("loss_mask").bool()
+            if exclude is not None:
+                offsets = f.get_tensor("offsets").tolist()
+                sample_ids = json.loads((f.metadata() or {}).get("sample_ids", "null"))
+                if sample_ids is None or len(sample_ids) != len(offsets) - 1:
+                    raise ValueError(f"{path}: metadata `sample_ids` missing or not one per sample")
+                for i, sid in enumerate(sample_ids):
+                    if exclude(sid):
+                        mask[offsets[i]:offsets[i + 1]] = False
         ids = ids[mask]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{path}: token id outside the target vocabulary of {vocab_size}")
@@ -91,8 +101,8 @@ def vocab_from_counts(counts: torch.Tensor, size: int | None = None) -> DraftVoc
     return DraftVocab(d2t, t2d, coverage, total, int((counts > 0).sum()))
 
 
-def build_draft_vocab(shard_paths, vocab_size: int, size: int | None = None) -> DraftVocab:
-    return vocab_from_counts(count_masked_tokens(shard_paths, vocab_size), size)
+def build_draft_vocab(shard_paths, vocab_size: int, size: int | None = None, exclude=None) -> DraftVocab:
+    return vocab_from_counts(count_masked_tokens(shard_paths, vocab_size, exclude), size)
 
 
 def coverage(vocab: DraftVocab, counts: torch.Tensor) -> float:

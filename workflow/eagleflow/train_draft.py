@@ -34,6 +34,7 @@ from tqdm import tqdm
 from eagleflow.draft_data import load_pack, make_packs, pack_for, read_layout
 from eagleflow.draft_model import DraftConfig, Eagle3Draft
 from eagleflow.draft_vocab import DraftVocab
+from eagleflow.heldout import HELDOUT_MODULUS, excluder
 from eagleflow.target_head import EMBED, TargetHead, read_target_config, read_target_tensor
 
 CHECKPOINT, METRICS, CURVES = "checkpoint.pt", "metrics.csv", "curves.png"
@@ -53,6 +54,7 @@ class TrainConfig:
     ckpt_every: int = 200
     seed: int = 0
     device: str = "auto"
+    heldout_modulus: int = HELDOUT_MODULUS  # held-out samples (eagleflow.heldout) are skipped
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -179,7 +181,9 @@ def train(shards, target_dir, vocab: DraftVocab, out_dir, cfg: TrainConfig,
         out.mkdir(parents=True, exist_ok=True)
     target_config = read_target_config(target_dir)
     layout = read_layout(sorted(str(p) for p in shards), int(target_config["num_hidden_layers"]))
-    packs = make_packs(layout.paths, cfg.max_tokens)
+    packs = make_packs(layout.paths, cfg.max_tokens, excluder(cfg.heldout_modulus))
+    if not packs:
+        raise ValueError(f"no training samples in {layout.paths} outside the held-out split")
     model = build_draft(target_dir, vocab, len(layout.aux_ids), cfg.seed, **(draft_overrides or {}))
     head = TargetHead.load(target_dir, vocab.target_ids)
     model.to(device)
@@ -250,7 +254,8 @@ def train(shards, target_dir, vocab: DraftVocab, out_dir, cfg: TrainConfig,
             checkpoint(step + 1)
     bar.close()
     return {"start_step": start, "end_step": end, "seconds": time.time() - t0,
-            "packs": len(packs), "world_size": world, "last": rows[-1] if rows else None}
+            "packs": len(packs), "heldout_modulus": cfg.heldout_modulus, "world_size": world,
+            "last": rows[-1] if rows else None}
 
 
 def load_trained(path, map_location="cpu"):

@@ -27,10 +27,10 @@ from eagleflow.templating import tokenize_conversation
 
 @dataclass
 class TargetTrainConfig:
-    steps: int = 400
-    batch_tokens: int = 2048
-    lr: float = 3e-3
-    warmup_steps: int = 20
+    steps: int = 40
+    batch_tokens: int = 512
+    lr: float = 6e-3
+    warmup_steps: int = 5
     min_lr_ratio: float = 0.05
     max_length: int = 256
     seed: int = 0
@@ -91,8 +91,8 @@ def train_target(base_dir, conversations, out_dir, cfg: TargetTrainConfig, log=p
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(out.loss))
-        if step % 25 == 0 or step + 1 == cfg.steps:
+        losses.append(float(out.loss.detach()))
+        if step % 10 == 0 or step + 1 == cfg.steps:
             log(f"step {step + 1}/{cfg.steps} loss {losses[-1]:.4f} ({time.time() - t0:.0f}s)")
     seconds = time.time() - t0
     tmp = out_dir.with_name(out_dir.name + ".tmp")

@@ -10,6 +10,7 @@ rule evaluate:
         config=f"{R}/draft/{{fp}}/export/config.json",
         weights=f"{R}/draft/{{fp}}/export/model.safetensors",
         dataset=config["data"]["path"],
+        target=target_files,
     output:
         result=f"{R}/eval/{{fp}}/acceptance.json",
         plot=report(
@@ -29,5 +30,6 @@ rule evaluate:
         export=lambda wildcards, input: os.path.dirname(input.config),
         workdir=f"{R}/eval/{{fp}}/work",
         cfg=EVAL_CFG,
+        heldout_modulus=config["data"]["heldout_modulus"],
     script:
         "../scripts/evaluate.py"

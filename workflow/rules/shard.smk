@@ -1,10 +1,12 @@
 # Tokenize the dataset with the target's chat template and cut it into content-addressed shards.
+# The dataset is data.path, or its regenerated version (regenerate.smk); the held-out split
+# stays in the shards (so shard ids do not move) and is skipped by draft training.
 
 
 checkpoint shard:
     input:
-        data=config["data"]["path"],
-        tokenizer=tokenizer_files,
+        data=SHARD_DATA,
+        tokenizer=target_tokenizer_files,
     output:
         manifest=f"{R}/shards/manifest.parquet",
         tokens=directory(f"{R}/shards/tokens"),

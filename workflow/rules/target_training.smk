@@ -1,9 +1,9 @@
 # The embedded tiny target, briefly trained on the bundled corpus so its greedy outputs are
 # meaningful (a random target's near-flat distributions make acceptance length noise).
-# A separate directory: the untrained target stays as it is. Use it with
-# `--config target='{path: resources/targets/tiny-deepseek-v3-trained}'`.
-
-TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
+# Built from the untrained fixture (tiny_target) into its own directory (TRAINED_TINY_TARGET,
+# draft_common.smk); config/config.yaml points `target.path` there, so the embedded default's
+# pipeline uses the trained target. Extraction tests pin the untrained one
+# (tests/workflow_runner.py).
 
 
 localrules:
@@ -28,5 +28,6 @@ rule train_tiny_target:
         base=lambda wildcards, input: os.path.dirname(input.base[0]),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
         cfg=config["target_training"],
+        heldout_modulus=config["data"]["heldout_modulus"],
     script:
         "../scripts/train_tiny_target.py"

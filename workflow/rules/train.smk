@@ -23,6 +23,7 @@ rule draft_vocab:
     params:
         target=TARGET,
         size=DRAFT_CFG["vocab_size"],
+        heldout_modulus=config["data"]["heldout_modulus"],
     script:
         "../scripts/draft_vocab.py"
 
@@ -49,7 +50,7 @@ rule train_draft:
     params:
         target=TARGET,
         workdir=f"{DRAFT}/train.work",
-        train=DRAFT_CFG,
+        train={**DRAFT_CFG, "heldout_modulus": config["data"]["heldout_modulus"]},
     script:
         "../scripts/train_draft.py"
 

@@ -12,7 +12,7 @@ with redirect_to_log(snakemake.log[0]):
         snakemake.params.target, snakemake.params.export, snakemake.input.dataset,
         snakemake.output.result, snakemake.output.plot, k=cfg["speculative_tokens"],
         max_tokens=cfg["max_tokens"], num_prompts=cfg["num_prompts"],
-        modulus=cfg["heldout_modulus"], paths=cfg["paths"], no_mla=not cfg["mla"],
+        modulus=snakemake.params.heldout_modulus, paths=cfg["paths"], no_mla=not cfg["mla"],
         workdir=snakemake.params.workdir,
     )
     print(json.dumps({n: r.get("acceptance_length") for n, r in report["results"].items()}))

@@ -1,0 +1,34 @@
+# Input functions and paths of the target-training, regeneration, draft and evaluation rules
+# (functions only, as `snakemake --lint` asks; common.smk holds the extraction's).
+
+# The embedded tiny target briefly trained on the bundled corpus (target_training.smk), built
+# from the untrained fixture; config/config.yaml points `target.path` here.
+TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
+EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET)
+
+# Response regeneration (regenerate.smk): its output is the dataset the shard rule reads.
+REGENERATE = config["data"]["regenerate"]
+REGENERATED_DATA = f"{R}/regenerated/dataset.jsonl"
+SHARD_DATA = REGENERATED_DATA if REGENERATE["enabled"] else config["data"]["path"]
+
+
+def target_tokenizer_files(wildcards=None):
+    """The target's tokenizer and chat template files; the embedded targets' are built here."""
+    if TARGET in EMBEDDED_TARGETS:
+        return [f"{TARGET}/{name}" for name in TINY_TOKENIZER_FILES]
+    return tokenizer_files(wildcards)
+
+
+def target_files(wildcards=None):
+    """What a job that loads the target needs: config, tokenizer (and, for the embedded
+    targets, which the workflow builds, the weights)."""
+    if TARGET in EMBEDDED_TARGETS:
+        return [f"{TARGET}/{name}" for name in TINY_TARGET_FILES]
+    return [f"{TARGET}/config.json", *tokenizer_files(wildcards)]
+
+
+def evaluation_outputs(wildcards):
+    """The current configuration's draft vocabulary and acceptance report, for `all`; the
+    draft trained on, exported from and evaluated against extraction {fp}."""
+    fp = os.path.basename(hidden_dir())
+    return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]

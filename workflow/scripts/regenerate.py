@@ -1,0 +1,18 @@
+import json
+
+from eagleflow.logs import redirect_to_log
+from eagleflow.regenerate import regenerate_dataset
+
+with redirect_to_log(snakemake.log[0]):
+    summary = regenerate_dataset(
+        snakemake.input.data,
+        snakemake.params.target,
+        snakemake.output.data,
+        snakemake.output.rejects,
+        max_length=snakemake.params.max_length,
+        max_new_tokens=snakemake.params.max_new_tokens,
+        on_bad_row=snakemake.params.on_bad_row,
+        engine=snakemake.params.engine,
+    )
+    with open(snakemake.output.summary, "w") as f:
+        json.dump(summary, f, indent=1)
