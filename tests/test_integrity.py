@@ -33,3 +33,27 @@ def test_a_file_from_another_fingerprint_is_quarantined(tokenizer, tmp_path):
     out.rename(d / out.name)
     (d / f"{shard.shard_id}.json").write_text(json.dumps(record))
     assert check_finished_shards(d, [shard.shard_id], FP, log=lambda m: None) == [shard.shard_id]
+
+
+def test_summary_is_set_aside_only_when_a_shard_is_unfinished(tokenizer, tmp_path):
+    shards = make_token_shards(tokenizer, n=8, size=4)
+    for shard in shards:
+        make_extracted_shard(shard, tmp_path)
+    d = tmp_path / FP
+    ids = [s.shard_id for s in shards]
+    for shard_id in ids:
+        (d / f"{shard_id}.verify.json").write_text("{}")
+    (d / "verify_summary.tsv").write_text("shard_id\tok\n")
+    (d / "manifest.parquet").write_bytes(b"x")
+    # Every shard finished: the summary stays.
+    assert check_finished_shards(d, ids, FP, log=lambda m: None) == []
+    assert (d / "verify_summary.tsv").exists()
+    # One shard's verification report deleted by hand: nothing is damaged, but the summary
+    # must go, or Snakemake would take the run for complete.
+    (d / f"{ids[1]}.verify.json").unlink()
+    messages = []
+    assert check_finished_shards(d, ids, FP, log=messages.append) == []
+    assert not (d / "verify_summary.tsv").exists() and not (d / "manifest.parquet").exists()
+    (moved,) = (d / "quarantine").glob("summary-*")
+    assert ids[1] in (moved / "reason.txt").read_text() and (moved / "verify_summary.tsv").exists()
+    assert any("summary" in m for m in messages)

@@ -1,6 +1,7 @@
 """Run the real workflow (real Snakemake, real vLLM) in a scratch directory."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,19 @@ def copy_workdir(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+def started_jobs(output: str) -> dict:
+    """{rule: count} of the jobs a real run started (its 'rule X:' / 'localrule X:' lines).
+
+    A run that passes a checkpoint prints its job table before the checkpoint only, so the
+    jobs added after it are counted from what was started."""
+    counts = {}
+    for line in output.splitlines():
+        m = re.match(r"(?:local)?rule (\w+):$", line.strip())
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
 
 
 def job_counts(output: str) -> dict:
