@@ -22,3 +22,11 @@ class OldForCausalLM:
 class KeywordOnlyDecoderLayer:  # a layer whose parameters are in another order
     def forward(self, hidden_states, positions, residual, llama_4_scaling=None):
         ...
+
+
+class NoDelegateWrapper:  # a multimodal wrapper that runs its own text stack
+    def __init__(self, text_config):
+        self.layers = []
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        ...

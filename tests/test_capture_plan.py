@@ -145,10 +145,25 @@ def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
     assert info.wrapper and info.is_mla
     with pytest.raises(CaptureCheckError, match="the target uses MLA"):
         make_plan(info, [2, 30, 58, 61], "extract_hidden_states", device="cuda")
-    # Its text model plans with the aux interface (id 61 = final pre-norm state).
+    # Its text model plans with the aux interface (id 61 = final pre-norm state), through the
+    # wrapper class vLLM loads, checked to delegate to its language_model.
     plan = make_plan(info, [2, 30, 58, 61], "auto", device="cuda")
     assert plan["strategy"] == "aux_layers" and plan["num_hidden_layers"] == 61
-    assert plan["model_class"].endswith("DeepseekV3ForCausalLM")
+    assert plan["model_class"].endswith("DeepseekV3ForCausalLM") and plan["wrapper"] == "KimiK25ForConditionalGeneration"
+    assert plan["wrapper_class"] == "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"
+    assert any("set_aux_hidden_state_layers delegates to language_model" in c for c in plan["checks_passed"])
+    assert make_plan(info, [0, 30, 61], "auto", device="cuda")["strategy"] == "patched_forward"
+
+
+def test_a_wrapper_that_does_not_delegate_is_refused(monkeypatch):
+    import eagleflow.capture as capture
+
+    monkeypatch.setitem(capture.WRAPPER_CLASSES, "KimiK25ForConditionalGeneration", ("fake_vllm_models", "NoDelegateWrapper"))
+    with pytest.raises(CaptureCheckError, match=r"vLLM 0\.32\.0: fake_vllm_models\.NoDelegateWrapper: expected .*"
+                                                r"found not: forward returns self\.language_model"):
+        capture.introspect_wrapper("KimiK25ForConditionalGeneration")
+    with pytest.raises(CaptureCheckError, match="no adapter"):
+        capture.introspect_wrapper("SomeOtherForConditionalGeneration")
 
 
 @pytest.mark.parametrize("version", ["0.17.1", "0.31.2", "0.33.0", "1.0.0", "unknown"])

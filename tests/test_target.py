@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 from snakemake.utils import validate
+from snakemake.utils import validate as validate_schema
 
 from eagleflow.layers import resolve_layer_ids
 from eagleflow.target import TargetError, bytes_per_weight, count_parameters, read_target
@@ -75,3 +76,34 @@ def test_every_schema_key_has_a_default_and_a_description():
             walk(spec.get("properties", {}), f"{path}{key}.")
 
     walk(schema["properties"], "")
+
+
+def test_kimi_k25_validates_before_any_load(tmp_path, tokenizer_dir):
+    """validate_env on Kimi-K2.5's real config (text model under the wrapper's text_config): the
+    text model, its layer ids and int4 weight size are found; on this CPU machine the 8-GPU
+    example fails the device check, and with devices deferred (a login node) it passes."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eagleflow.validate_env import validate
+
+    d = tmp_path / "Kimi-K2.5"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(KIMI_K25))
+    for p in Path(tokenizer_dir).iterdir():
+        shutil.copy(p, d / p.name)
+    save_file({"language_model.model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
+              str(d / "model-00001-of-000064.safetensors"))
+    cfg = yaml.safe_load((REPO / "config/examples/kimi-k2.5-tp8.yaml").read_text())
+    validate_schema(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # fills the defaults
+    ok, report = validate(cfg, str(d), 10_000, str(tmp_path / "results"))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["model_config"]["detail"] == ("DeepseekV3ForCausalLM, 61 layers, hidden 7168 "
+                                                "(text model of KimiK25ForConditionalGeneration)")
+    assert report["layer_ids"] == [2, 30, 58, 61] and checks["layer_ids"]["ok"]
+    assert report["weight_bytes_estimate"] == pytest.approx(1026.4e9 / 2, rel=2e-3)  # int4
+    assert not ok and any("tensor_parallel_size=8 needs 8 CUDA devices" in c["detail"] for c in report["checks"])
+    ok, report = validate(cfg, str(d), 10_000, str(tmp_path / "results"), device_checks=False)
+    assert ok, [c for c in report["checks"] if not c["ok"]]

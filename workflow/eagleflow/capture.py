@@ -57,6 +57,12 @@ ARCHITECTURES = {
         "Qwen3DecoderLayer", ("positions", "hidden_states", "residual"), True),
 }
 
+# Multimodal wrappers vLLM loads around a text model of the table above (config under
+# `text_config`): the wrapper must hand the text model's aux interface and forward through.
+WRAPPER_CLASSES = {
+    "KimiK25ForConditionalGeneration": ("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration"),
+}
+
 STRATEGIES = ("aux_layers", "patched_forward", "extract_hidden_states")
 
 # vLLM versions whose extract_hidden_states proposer and hidden-states connector eagleflow has read
@@ -151,6 +157,33 @@ def introspect_extract_hidden_states() -> dict:
     # Without it, TP>1 never reports a request finished (only rank 0 writes) and leaks its blocks.
     found["ehs_single_rank_finish"] = "get_finished_count" in vars(conn)
     return found
+
+
+def introspect_wrapper(wrapper: str) -> dict:
+    """The multimodal wrapper class vLLM instantiates for the checkpoint, checked to delegate to
+    its `language_model` (eagleflow's worker captures through that text model)."""
+    where = WRAPPER_CLASSES.get(wrapper)
+    if where is None:
+        raise CaptureCheckError(f"vLLM {vllm_version()}: {wrapper}: a multimodal wrapper eagleflow has no adapter for "
+                                f"(supported: {', '.join(sorted(WRAPPER_CLASSES))})")
+    module, name = where
+    cls = getattr(importlib.import_module(module), name, None)
+    if cls is None:
+        raise _fail(f"{module}.{name}", "the class to exist", "no such class",
+                    "Install a vLLM version that serves this checkpoint (see README, support matrix).")
+    fwd = inspect.getsource(cls.forward)
+    aux = inspect.getsource(cls.set_aux_hidden_state_layers) if hasattr(cls, "set_aux_hidden_state_layers") else ""
+    init = inspect.getsource(cls.__init__)
+    checks = {
+        "forward returns self.language_model(...)": "self.language_model(" in fwd,
+        "set_aux_hidden_state_layers delegates to language_model": "self.language_model.set_aux_hidden_state_layers" in aux,
+        "language_model is built from text_config": "text_config" in init and "self.language_model" in init,
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise _fail(f"{module}.{name}", "; ".join(checks), "not: " + "; ".join(bad),
+                    "eagleflow captures through the wrapper's language_model; upgrade eagleflow for this vLLM.")
+    return {"wrapper_class": f"{module}.{name}", "wrapper_checks": list(checks)}
 
 
 def _ehs_refusal(reason: str, todo: str) -> CaptureCheckError:
@@ -268,10 +301,13 @@ def make_plan(info: TargetInfo, layer_ids: list[int], requested: str, device: st
             f"eagleflow (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     found = introspect(spec)
+    if info.wrapper is not None:
+        found |= introspect_wrapper(info.wrapper)
     strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec)
     if strategy == "extract_hidden_states":
         found |= introspect_extract_hidden_states()
     checks = check_plan(strategy, found, layer_ids, info.num_layers, spec, device=device, is_mla=info.is_mla)
+    checks += [f"wrapper {info.wrapper}: {c}" for c in found.get("wrapper_checks", [])]
     return {
         "strategy": strategy,
         "requested_strategy": requested,
@@ -281,6 +317,7 @@ def make_plan(info: TargetInfo, layer_ids: list[int], requested: str, device: st
         "num_hidden_layers": info.num_layers,
         "hidden_size": info.hidden_size,
         "architecture": info.architecture,
+        "wrapper": info.wrapper,
         "llama_4_scaling": info.text_config.get("llama_4_scaling"),
         "vllm_version": vllm_version(),
         "device": device,
