@@ -85,6 +85,11 @@ def cpu_threads_bind(tp: int, configured: str | None) -> str:
 
 def configure_process_env(settings: EngineSettings) -> None:
     """Environment vLLM reads at import/start; set before vLLM is imported."""
+    if settings.tensor_parallel_size == 1:
+        # One process: the engine core and the single worker run in this one (no spawn, no
+        # second and third import of vLLM and torch: tens of seconds per engine start on a
+        # busy CPU, and no start-up handshake that can time out under load).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if settings.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
@@ -121,6 +126,8 @@ def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
         worker_extension_cls=WORKER_EXTENSION,
         seed=0,
     )
+    if settings.tensor_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = "uni"
     if settings.device == "cuda":
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     # The extract_hidden_states strategy's speculative and connector settings.
