@@ -221,3 +221,37 @@ def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
     # The same config with the device this machine has is refused before any load.
     with pytest.raises(CaptureCheckError, match="extract.device is 'cpu'"):
         make_plan(info, ids, cap["strategy"], device="cpu")
+
+
+def test_patch_script_passes_the_configured_device(tmp_path):
+    """workflow/scripts/patch.py (what the `patch` rule runs) plans with `extract.device`: on
+    cpu it stops before any load with the refusal (the rule's log gets its traceback), on cuda
+    it writes the plan."""
+    import json
+    import runpy
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    repo = Path(__file__).resolve().parents[1]
+    target = tmp_path / "llama"
+    target.mkdir()
+    (target / "config.json").write_text(LLAMA_CFG)
+
+    def run(device):
+        log, out = tmp_path / f"{device}.log", tmp_path / f"{device}-plan.json"
+        sm = SimpleNamespace(
+            params=SimpleNamespace(target=str(target), capture={"layer_ids": None, "layer_id_convention": "vllm",
+                                                                "strategy": "extract_hidden_states"}),
+            config={"extract": {"device": device}}, wildcards=SimpleNamespace(fp="fp0"), log=[str(log)],
+            output=[str(out)])
+        runpy.run_path(str(repo / "workflow/scripts/patch.py"), init_globals={"snakemake": sm})
+        return log, out
+
+    with pytest.raises(CaptureCheckError, match="vLLM 0.32.0: capture.strategy extract_hidden_states: "
+                                                "extract.device is 'cpu'"):
+        run("cpu")
+    assert not (tmp_path / "cpu-plan.json").exists()
+    _, out = run("cuda")
+    plan = json.loads(out.read_text())
+    assert plan["strategy"] == "extract_hidden_states" and plan["device"] == "cuda"
+    assert plan["layer_ids"] == [2, 4, 5, 8] and plan["fingerprint"] == "fp0"
