@@ -76,6 +76,20 @@ class PeakRSS:
         self._t.join()
 
 
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds used so far by this process and its descendants (engine core,
+    workers): the engine's own cost, far less sensitive than wall time to other jobs' load."""
+    total = 0.0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def make_shard(tokenizer, n_tokens: int, seed: int):
     """Bundled conversations, several joined per sample (about 100-600 tokens), up to n_tokens."""
     rows = generate_conversations(n_tokens // 4, seed)
@@ -120,6 +134,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8000, help="tokens in the small shard (the large one has 4x)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="1x,4x", help="which shards to run: 1x, 4x or both")
     ap.add_argument("--chunk-tokens", type=int, default=4096)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/eagleflow-throughput-bench"))
     args = ap.parse_args()
@@ -131,7 +146,8 @@ def main():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    shards = {"1x": make_shard(tokenizer, args.tokens, 1), "4x": make_shard(tokenizer, 4 * args.tokens, 2)}
+    build = {"1x": lambda: make_shard(tokenizer, args.tokens, 1), "4x": lambda: make_shard(tokenizer, 4 * args.tokens, 2)}
+    shards = {name: build[name]() for name in args.sizes.split(",")}
     plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
     max_len = max(int(max(s.offsets[1:] - s.offsets[:-1])) for s in shards.values()) + 1
     settings = EngineSettings(target=str(target), max_model_len=max_len, max_num_batched_tokens=8192)
@@ -160,16 +176,21 @@ def main():
     for name, shard in shards.items():
         n = len(shard.input_ids)
         plain, ours, written, phases, peaks, loads = [], [], [], [], [], []
+        plain_cpu, ours_cpu = [], []
 
         def run_plain():
             # Plain runs without the capture wrapper (its per-forward copy is eagleflow's cost).
             llm.collective_rpc("eagleflow_uninstall")
+            c0 = tree_cpu_seconds()
             plain.append(n / plain_prefill(llm, shard))
+            plain_cpu.append(n / (tree_cpu_seconds() - c0))
             llm.collective_rpc("eagleflow_install", args=(plan,))
 
         def run_ours():
+            c0 = tree_cpu_seconds()
             with PeakRSS() as mem:
                 seconds, size, ph = eagleflow_extract(llm, shard, plan, args.workdir / "out", args.chunk_tokens)
+            ours_cpu.append(n / (tree_cpu_seconds() - c0))
             ours.append(n / seconds)
             written.append(size / seconds)
             phases.append(ph)
@@ -183,16 +204,24 @@ def main():
         p, o = statistics.median(plain), statistics.median(ours)
         results[name] = {"tokens": n, "plain_tok_s": p, "eagleflow_tok_s": o, "ratio": o / p,
                          "plain_runs": plain, "eagleflow_runs": ours, "load_1min": loads,
+                         "plain_tok_per_cpu_s": statistics.median(plain_cpu),
+                         "eagleflow_tok_per_cpu_s": statistics.median(ours_cpu),
+                         "cpu_ratio": statistics.median(ours_cpu) / statistics.median(plain_cpu),
                          "bytes_per_s": statistics.median(written), "peak_rss": max(peaks),
                          "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]}}
         print(f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
               f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
               f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB, "
               f"load average {min(loads):.1f}-{max(loads):.1f}")
+        print(f"  per CPU-second of the process tree (load-insensitive): plain {statistics.median(plain_cpu):.1f} "
+              f"[{', '.join(f'{x:.1f}' for x in plain_cpu)}], eagleflow {statistics.median(ours_cpu):.1f} "
+              f"[{', '.join(f'{x:.1f}' for x in ours_cpu)}] tok/cpu-s, cpu_ratio "
+              f"{results[name]['cpu_ratio']:.3f}")
         print("  where the extraction's time went (median s): " + ", ".join(
             f"{k} {v:.2f}" for k, v in results[name]["phases"].items()))
-    print("peak RSS, 4x shard vs 1x shard: "
-          f"{results['4x']['peak_rss'] / results['1x']['peak_rss']:.2f}")
+    if len(results) == 2:
+        print("peak RSS, 4x shard vs 1x shard: "
+              f"{results['4x']['peak_rss'] / results['1x']['peak_rss']:.2f}")
     (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"ratio={min(r['ratio'] for r in results.values()):.3f}")
 
