@@ -62,13 +62,14 @@ def copy_workdir(src: Path, dst: Path) -> Path:
 
 
 def started_jobs(output: str) -> dict:
-    """{rule: count} of the jobs a real run started (its 'rule X:' / 'localrule X:' lines).
+    """{rule: count} of the jobs a real run started (its 'rule X:', 'localrule X:',
+    'checkpoint X:' and 'localcheckpoint X:' lines).
 
     A run that passes a checkpoint prints its job table before the checkpoint only, so the
     jobs added after it are counted from what was started."""
     counts = {}
     for line in output.splitlines():
-        m = re.match(r"(?:local)?rule (\w+):$", line.strip())
+        m = re.match(r"(?:local)?(?:rule|checkpoint) (\w+):$", line.strip())
         if m:
             counts[m.group(1)] = counts.get(m.group(1), 0) + 1
     return counts
