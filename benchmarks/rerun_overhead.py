@@ -47,6 +47,8 @@ def build(workdir: Path, n_shards: int, target: Path) -> Path:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"]["path"] = str(target)
     config["data"]["path"] = str(data)
+    # The synthetic shards are made from this file as it is (no response regeneration).
+    config["data"]["regenerate"] = {"enabled": False}
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     from snakemake.utils import validate
 
