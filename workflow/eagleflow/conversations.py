@@ -122,7 +122,7 @@ def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[di
             raise ValueError(f"turn {i} content is not a string")
         messages.append({"role": role, "content": turn[text_key]})
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant turn (a prompt-only dataset needs `data.regenerate.enabled`)")
+        raise ValueError("no assistant turn")  # prompt-only rows: data.regenerate.enabled
     if not require_assistant and not any(m["role"] == "user" for m in messages):
         raise ValueError("no user turn to answer")
     return tuple(messages)
