@@ -90,6 +90,49 @@ def read_request_file(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(path, device="cpu")
 
 
+def _written(path: str) -> bool:
+    """Whether the connector has finished writing `path` (its lock released), without blocking."""
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def wait_for_files(llm, paths: list[str], timeout_s: float = 600.0) -> None:
+    """Wait until the connector has written every file in `paths`.
+
+    The connector writes a request's file in the engine step after the request finished
+    (`get_finished`), so an engine that runs in this process (TP=1: no engine-core process) is
+    stepped here; an engine-core process steps on its own while requests await their writes."""
+    import time
+
+    from vllm.v1.engine.core_client import InprocClient
+
+    inproc = isinstance(llm.llm_engine.engine_core, InprocClient)
+    deadline = time.monotonic() + timeout_s
+    pending = [str(p) for p in paths]
+    while True:
+        pending = [p for p in pending if not _written(p)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ConnectorFileError(f"{len(pending)} hidden-states files not written after {timeout_s:.0f} s, "
+                                     f"e.g. {pending[0]}")
+        if inproc:
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.01)
+
+
 def remove_request_file(path: str | Path) -> None:
     for p in (str(path), str(path) + ".lock"):
         if os.path.exists(p):
@@ -164,5 +207,7 @@ def run_connector_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprin
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         meta = {"fingerprint": fingerprint, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
         with timings.phase("commit_wait"):
+            wait_for_files(llm, [(o.kv_transfer_params or {}).get("hidden_states_path", "") for o in outputs
+                                 if (o.kv_transfer_params or {}).get("hidden_states_path")])
             done += commit_from_connector(outputs, prompts, plan, dtype, chunk_path(partial_dir, i), meta)
     return done
