@@ -20,8 +20,9 @@ from workflow_runner import REPO, SMALL, SNAKEMAKE, copy_workdir, hidden_dir, sn
 
 pytestmark = pytest.mark.vllm
 
-# Small chunks so one shard of ~2,700 tokens commits several chunks.
-CHUNKED = {**SMALL, "extract": {"chunk_tokens": 600}}
+# Small chunks and small engine forwards, so one shard of ~2,700 tokens commits its chunks
+# over several forwards (a chunk is committed as soon as its rows are in).
+CHUNKED = {**SMALL, "extract": {"chunk_tokens": 600, "max_num_batched_tokens": 600}}
 
 
 def shard_targets(workdir, shard_id):
@@ -73,12 +74,10 @@ def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extract
     forget_shard(work, shard_id)
     d = hidden_dir(work)
     started = time.time()
-    # Chunks are committed as soon as their rows are in, and one engine forward (2,048 tokens on
-    # vLLM's CPU MLA path) completes several of these 600-token chunks at once: this shard is
-    # two forwards, so "some but not all chunks committed" is one kill point, not several.
     kill_points = [
         ("engine starting, nothing committed", lambda p: time.time() - started > 8),
-        ("chunks committed", lambda p: len(chunks(p)) >= 1),
+        ("one chunk committed", lambda p: len(chunks(p)) >= 1),
+        ("three chunks committed", lambda p: len(chunks(p)) >= 3),
     ]
     committed = []
     for name, when in kill_points:
@@ -89,7 +88,7 @@ def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extract
         record = d / f"{shard_id}.json"
         assert not (out.exists() and record.exists() and not cheap_check(out, json.loads(record.read_text()), d.name)), name
         committed.append(len(chunks(d / ".partial" / shard_id)))
-    assert committed[0] == 0 and committed[1] >= 1
+    assert committed[0] == 0 and committed[1] >= 1 and committed[2] >= 3
 
     # What the kills left committed, to find byte for byte in the finished shard.
     partial = d / ".partial" / shard_id
