@@ -41,6 +41,7 @@ class EngineSettings:
     dtype: str = "bfloat16"
     max_model_len: int = 513
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int = 1
     cpu_threads_bind: str | None = None
@@ -128,6 +129,8 @@ def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
     )
     if settings.tensor_parallel_size == 1:
         kwargs["distributed_executor_backend"] = "uni"
+    if settings.max_num_seqs:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.device == "cuda":
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     # The extract_hidden_states strategy's speculative and connector settings.

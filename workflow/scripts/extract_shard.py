@@ -32,6 +32,7 @@ def main():
         dtype=ext["dtype"],
         max_model_len=snakemake.config["data"]["max_length"] + 1,
         max_num_batched_tokens=ext["max_num_batched_tokens"],
+        max_num_seqs=ext["max_num_seqs"],
         gpu_memory_utilization=ext["gpu_memory_utilization"],
         cpu_kvcache_space_gib=ext["cpu_kvcache_space_gib"],
         cpu_threads_bind=ext["cpu_threads_bind"],
