@@ -84,13 +84,21 @@ def cpu_threads_bind(tp: int, configured: str | None) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def single_process(settings: EngineSettings) -> bool:
+    """Run the engine core and its one worker in this process (TP=1): no spawn, no second and
+    third import of vLLM and torch (tens of seconds per engine start on a busy CPU), and no
+    start-up handshake that can time out under load.
+
+    Not when llvmlite (numba) is loaded here: vLLM 0.32's CPU worker start scans every loaded
+    module for Triton kernels and fails on llvmlite's `_lib_fn_wrapper` objects
+    ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"); a spawned engine core
+    starts from a clean interpreter."""
+    return settings.tensor_parallel_size == 1 and "llvmlite" not in sys.modules
+
+
 def configure_process_env(settings: EngineSettings) -> None:
     """Environment vLLM reads at import/start; set before vLLM is imported."""
-    if settings.tensor_parallel_size == 1:
-        # One process: the engine core and the single worker run in this one (no spawn, no
-        # second and third import of vLLM and torch: tens of seconds per engine start on a
-        # busy CPU, and no start-up handshake that can time out under load).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process(settings) else "1"
     if settings.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
@@ -127,7 +135,7 @@ def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
         worker_extension_cls=WORKER_EXTENSION,
         seed=0,
     )
-    if settings.tensor_parallel_size == 1:
+    if single_process(settings):
         kwargs["distributed_executor_backend"] = "uni"
     if settings.max_num_seqs:
         kwargs["max_num_seqs"] = settings.max_num_seqs
