@@ -86,12 +86,12 @@ def test_regeneration_bad_rows_and_long_prompts_are_named(tmp_path, tokenizer_di
 
 @pytest.mark.vllm
 def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
-    """The embedded (untrained) target answers two prompts through vLLM's LLM.generate."""
-    from workflow_runner import REPO
+    """A tiny (untrained) DeepseekV3 target answers two prompts through vLLM's LLM.generate."""
+    from eagleflow.bundled_data import generate_conversations
+    from eagleflow.tiny_target import build_tiny_target
 
-    target = REPO / "resources" / "targets" / "tiny-deepseek-v3"
-    if not (target / "model.safetensors").exists():
-        pytest.skip("the embedded target is not built (snakemake resources/targets/tiny-deepseek-v3/config.json)")
+    rows = generate_conversations(300, seed=1)
+    target = build_tiny_target([m["content"] for r in rows for m in r["messages"]], tmp_path / "target")
     data = write_jsonl(tmp_path / "q.jsonl", [{"turns": ["What is 2 plus 3?", "And 4 plus 4?"]},
                                               {"turns": ["Spell the word dog."]}])
     summary = regenerate_dataset(data, target, tmp_path / "o.jsonl", tmp_path / "r.jsonl", max_length=128,
