@@ -36,7 +36,7 @@ from eagleflow.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagleflow.layers import default_layer_ids  # noqa: E402
 from eagleflow.reference import check_shard_against_reference, reference_states  # noqa: E402
 from eagleflow.target_head import TargetHead  # noqa: E402
-from eagleflow.train_draft import TrainConfig, lr_at, ttt_loss  # noqa: E402
+from eagleflow.train_draft import TrainConfig, optimizer_step  # noqa: E402
 
 # DeepSeek-V3's widths; depth and expert count cut so the float32 reference fits one GPU.
 REFERENCE_TARGET = dict(
@@ -156,16 +156,7 @@ def draft_step_fn(model, head, params, optim, cfg: TrainConfig, device: torch.de
     """One optimizer step exactly as `train_draft.train` takes it (autocast bf16 on CUDA)."""
 
     def step(batch, i):
-        for group in optim.param_groups:
-            group["lr"] = lr_at(cfg, i)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
-        loss, _ = ttt_loss(logits, head(batch.final), batch, cfg.step_weight)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optim.step()
-        return loss
+        return optimizer_step(model, head, params, optim, cfg, batch, i, device)[0]
 
     return step
 

@@ -171,6 +171,22 @@ def build_draft(target_dir, vocab: DraftVocab, num_aux: int, seed: int, **draft_
     return model
 
 
+
+def optimizer_step(model, head, params, optim, cfg: TrainConfig, batch, step: int, device: torch.device):
+    """One training step (learning rate of `step`, bf16 autocast on CUDA, TTT loss, clipped
+    update); returns (loss, per-TTT-step stats)."""
+    for group in optim.param_groups:
+        group["lr"] = lr_at(cfg, step)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
+    loss, stats = ttt_loss(logits, head(batch.final), batch, cfg.step_weight)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optim.step()
+    return loss, stats
+
 def train(shards, target_dir, vocab: DraftVocab, out_dir, cfg: TrainConfig,
           draft_overrides: dict | None = None, stop_after: int | None = None) -> dict:
     """Train (or resume) and return a summary; `stop_after` ends early as a crash would."""
@@ -225,16 +241,7 @@ def train(shards, target_dir, vocab: DraftVocab, out_dir, cfg: TrainConfig,
     bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc="train draft", mininterval=2)
     for step in range(start, end):
         batch = load_pack(layout, pack_for(packs, cfg.seed, step * world + rank), cfg.ttt_steps).to(device)
-        for group in optim.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = ddp(batch.aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
-        loss, stats = ttt_loss(logits, head(batch.final), batch, cfg.step_weight)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optim.step()
+        loss, stats = optimizer_step(ddp, head, params, optim, cfg, batch, step, device)
         sums = torch.tensor([loss.item()] + [v for s in stats for v in s], dtype=torch.float64)
         if world > 1:
             sums = sums.to(device)
