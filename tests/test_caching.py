@@ -80,7 +80,7 @@ def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_pa
     old = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in fp_dir.glob("*.safetensors")}
     proc = snakemake(work, "extract", config=config)
     started = started_jobs(proc.stdout + proc.stderr)
-    assert started["shard"] == 1 and started["extract_shard"] == 1 and started["verify_shard"] == 1, started
+    assert started["shard"] == 1 and started["extract_shard"] == 1 and started["verify_summary"] == 1, started
     new = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in fp_dir.glob("*.safetensors")}
     assert len(new) == 5 and all(new[name] == stat for name, stat in old.items())
     assert pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")["ok"].all()

@@ -29,12 +29,15 @@ def test_cpus_and_memory_match_the_gpus():
     assert jr.extract_mem_mb({**CPU, "mem_mb_per_job": 500}, 2**30) == 500
 
 
-def test_runtime_covers_load_and_prefill_and_grows_with_attempts():
+def test_runtime_covers_load_prefill_and_verification_and_grows_with_attempts():
     # Kimi-K2.5 at TP=8: ~18 min load, 2,280 tok/s; a 1M-token shard prefills in ~7.3 min.
     first = jr.extract_runtime_minutes(1_000_000, 2280, 18, attempt=1)
     assert first == 40  # ceil(1.5 * (18 + 7.31) + 2)
     assert jr.extract_runtime_minutes(1_000_000, 2280, 18, attempt=2) == 2 * first
-    assert jr.verify_runtime_minutes(1000, 4, 256, attempt=3) == 3 * jr.verify_runtime_minutes(1000, 4, 256)
+    # Its shard (4 layers x 7168, bf16: 53.4 GiB) is read back once by the verification.
+    verify = jr.verify_minutes(1_000_000, 4, 7168)
+    assert 4.5 < verify < 4.6  # 54,688 MiB at 200 MiB/s
+    assert jr.extract_runtime_minutes(1_000_000, 2280, 18, verify, attempt=1) == 47  # ceil(1.5 * 30.87 + 2)
 
 
 def test_shard_tokens_from_the_header(tmp_path):

@@ -152,7 +152,7 @@ def test_jobs_run_through_slurm_with_their_resources(runs):
     for j in good:  # asked for GPUs (fake here) and got them, yet extracted on the CPU
         assert "gres/gpu=4" in records[j]["tres"] and "node=1" in records[j]["tres"], records[j]
     rules_submitted = {next(part for part in Path(log).parts if part.startswith("rule_")) for _, log in submitted}
-    assert rules_submitted == {"rule_shard", "rule_patch", "rule_extract_shard", "rule_verify_shard"}
+    assert rules_submitted == {"rule_shard", "rule_patch", "rule_extract_shard"}
     workdir = runs["workdir"]
     fp = hidden_dir(workdir).name
     log = (workdir / "results" / "logs" / "extract" / fp / f"{runs['shards'][1]}.log").read_text()
@@ -186,13 +186,13 @@ def test_failed_job_fails_the_run_naming_its_log_after_retries_with_more_time(ru
     assert minutes(limits[0]) < minutes(limits[1]) < minutes(limits[2]), limits
     # The failed job's SLURM log is named in the message too.
     assert any(log in p.out for j, log in p.submitted if j == attempts[-1])
-    # The other shards went on (keep-going) and were extracted and verified.
-    assert len(re.findall(r"\(Rule: verify_shard\)", p.out)) == N_SHARDS - 1, p.out[-3000:]
+    # The other shards went on (keep-going) and were extracted and verified (in their jobs).
+    assert len(re.findall(r"\(Rule: extract_shard\)", p.out)) == N_SHARDS - 1, p.out[-3000:]
 
 
 def test_rerun_after_the_fix_runs_only_what_failed(runs):
     p, bad = runs["fixed"], runs["bad"]
-    assert job_stats(p.out) == {"extract_shard": 1, "verify_shard": 1, "verify_summary": 1, "extract": 1}, p.out[-3000:]
+    assert job_stats(p.out) == {"extract_shard": 1, "verify_summary": 1, "extract": 1}, p.out[-3000:]
     assert p.submitted and all(bad in log for _, log in p.submitted), p.submitted
 
 

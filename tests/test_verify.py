@@ -1,3 +1,4 @@
+import json
 import shutil
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.headers import read_header
-from eagleflow.verify import cheap_check, verify_shard
+from eagleflow.verify import ShardInvalid, cheap_check, verify_extracted_shard, verify_shard
 from synthetic import FP, PLAN, make_extracted_shard, make_token_shards
 
 
@@ -88,6 +89,28 @@ def test_non_finite_and_zero_rows_are_named(tokenizer, tmp_path):
         f.seek(start + 5 * row_bytes + 16 * 2)
         f.write(b"\x00\x00" * 16)
     assert run(shard, out, record)["problems"] == ["hidden_states: all-zero row at token 5, layer id 4"]
+
+
+def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(extracted):
+    shard, out, record = extracted
+    report = out.with_name(f"{shard.shard_id}.verify.json")
+    result = verify_extracted_shard(out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report)
+    assert result["ok"] and json.loads(report.read_text()) == result
+    report.unlink()
+    # A shard that fails (here: a NaN row) is moved aside with its record; no report is written.
+    _, start = read_header(out)
+    with open(out, "r+b") as f:
+        f.seek(start)
+        f.write(b"\xc0\x7f" * 16)
+    partial = out.parent / ".partial" / shard.shard_id  # its committed chunks go too: the next run starts afresh
+    assert any(partial.iterdir())
+    with pytest.raises(ShardInvalid, match=f"shard {shard.shard_id} .*non-finite value at token 0.*quarantine"):
+        verify_extracted_shard(out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report,
+                               partial_dir=partial)
+    assert not out.exists() and not report.exists() and not out.with_suffix(".json").exists() and not partial.exists()
+    (moved,) = (out.parent / "quarantine").iterdir()
+    assert (moved / out.name).is_file() and "non-finite" in (moved / "reason.txt").read_text()
+    assert any((moved / "chunks").iterdir())
 
 
 def test_wrong_layer_ids_are_named(extracted):

@@ -416,6 +416,14 @@ cmd_down() {
     for d in slurmd slurmctld slurmdbd mariadbd munged; do
         stop_daemon "$d"
     done
+    # Leave no client config pointing at a controller that is gone: with it, every SLURM
+    # client command waits ~9 s before giving up, and snakemake's SLURM executor plugin runs
+    # `scontrol show config` when it is imported, i.e. in every `snakemake` invocation on this
+    # machine. Without it they fail at once. `up` writes it again.
+    if grep -qx "ClusterName=$CLUSTER" "$CONF_DIR/slurm.conf" 2>/dev/null; then
+        rm -f "$CONF_DIR/slurm.conf"
+        log "removed $CONF_DIR/slurm.conf"
+    fi
     log "cluster down"
 }
 

@@ -28,6 +28,7 @@ from .headers import read_header
 from .hidden_states_connector import run_connector_chunks, strategy_engine_kwargs
 from .safetensors_stream import StreamingWriter
 from .shards import read_token_shard
+from .verify import verify_extracted_shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "eagleflow.capture_worker.CaptureExtension"
@@ -198,9 +199,11 @@ def shard_lock(partial_dir: Path, shard_id: str):
 
 
 def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str, record_path: str,
-                  settings: EngineSettings, chunk_tokens: int, log=print) -> dict:
-    """Extract one shard; write the shard file, then its record (both atomically), and only then
-    drop the committed chunks, so a kill at any point loses at most the chunk in flight."""
+                  report_path: str, settings: EngineSettings, chunk_tokens: int, log=print) -> dict:
+    """Extract one shard; write the shard file, then its record (both atomically), verify it and
+    write the report, and only then drop the committed chunks, so a kill at any point loses at
+    most the chunk in flight (a kill during verification re-assembles without loading the
+    model). A shard that fails verification goes to quarantine with its chunks (ShardInvalid)."""
     shard = read_token_shard(tokens_path)
     out_path = Path(out_path)
     partial_dir = out_path.parent / ".partial" / shard.shard_id
@@ -248,6 +251,9 @@ def extract_shard(tokens_path: str, plan: dict, fingerprint: str, out_path: str,
     tmp = Path(str(record_path) + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, record_path)
+    report = verify_extracted_shard(out_path, shard, record, fingerprint, plan["layer_ids"], plan["hidden_size"],
+                                    settings.dtype, report_path, partial_dir=partial_dir)
+    log(f"shard {shard.shard_id}: verified in {report['verify_seconds']} s")
     shutil.rmtree(partial_dir, ignore_errors=True)
     return record
 

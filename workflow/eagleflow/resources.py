@@ -81,15 +81,14 @@ def measured_rates(hidden_dir: str | Path) -> tuple[float | None, float | None]:
     return (statistics.median(rates) if rates else None, max(starts) if starts else None)
 
 
+def verify_minutes(n_tokens: int, n_layers: int, hidden_size: int, read_mb_per_second: float = 200) -> float:
+    """Verification streams the written shard once: its size over a conservative read rate."""
+    return n_tokens * n_layers * hidden_size * 2 / 2**20 / read_mb_per_second / 60
+
+
 def extract_runtime_minutes(n_tokens: int, tokens_per_second: float, load_minutes: float,
-                            attempt: int = 1) -> int:
-    """SLURM time limit of an extract job: 1.5 x (load + prefill) + start-up, times attempt."""
-    est = RUNTIME_MARGIN * (load_minutes + n_tokens / tokens_per_second / 60) + STARTUP_MINUTES
+                            verify_minutes: float = 0.0, attempt: int = 1) -> int:
+    """SLURM time limit of an extract job: 1.5 x (load + prefill + verification) + start-up,
+    times attempt."""
+    est = RUNTIME_MARGIN * (load_minutes + n_tokens / tokens_per_second / 60 + verify_minutes) + STARTUP_MINUTES
     return math.ceil(est) * max(1, attempt)
-
-
-def verify_runtime_minutes(n_tokens: int, n_layers: int, hidden_size: int, attempt: int = 1,
-                           read_mb_per_second: float = 200) -> int:
-    """Verification streams the shard once: its size over a conservative read rate."""
-    shard_mb = n_tokens * n_layers * hidden_size * 2 / 2**20
-    return math.ceil(STARTUP_MINUTES + 3 + shard_mb / read_mb_per_second / 60) * max(1, attempt)

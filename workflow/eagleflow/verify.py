@@ -4,11 +4,19 @@
 metadata, every value finite, no all-zero rows, input ids / loss mask / offsets identical to
 the tokenized shard. `cheap_check` reads only the file size and header and compares them with
 the extraction record; it is what every rerun can afford. `deep` adds a sha256 re-hash.
+
+Every extract job ends with `verify_extracted_shard`: a shard is finished only once its report
+is written, and a shard that fails is moved to quarantine (nothing is lost, nothing bad is
+kept where a rerun would take it for finished). One job per shard, not an extract job and a
+verify job: half the DAG for Snakemake to build on every rerun, and no second cluster job
+(queue wait, start-up) per shard for a read that costs seconds next to a model load.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from .headers import cheap_check, file_sha256, read_header
+from .integrity import quarantine
 from .shards import TokenShard
 
 KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
@@ -46,8 +55,32 @@ def verify_shard(path: str | Path, tokens: TokenShard, record: dict, fingerprint
         "n_tokens": int(len(tokens.input_ids)),
         "bytes": record.get("bytes"),
         "sha256": record.get("sha256"),
+        "tokens_per_second": record.get("tokens_per_second"),
         "deep": deep,
     }
+
+
+def verify_extracted_shard(path: str | Path, tokens: TokenShard, record: dict, fingerprint: str,
+                           layer_ids: list[int], hidden_size: int, dtype: str, report_path: str | Path,
+                           partial_dir: Path | None = None) -> dict:
+    """Verify a shard just written; write its report (atomically) if it passes. If it fails,
+    move the shard, its record and its committed chunks (`partial_dir`, so the next run
+    extracts afresh instead of re-assembling them) to `<hidden dir>/quarantine/` with the reason,
+    and raise ShardInvalid naming the shard, the problems and where the files went."""
+    t0 = time.perf_counter()
+    result = verify_shard(path, tokens, record, fingerprint, layer_ids, hidden_size, dtype)
+    result["verify_seconds"] = round(time.perf_counter() - t0, 3)
+    if not result["ok"]:
+        dest = quarantine(Path(path).parent, tokens.shard_id, result["problems"])
+        if partial_dir is not None and Path(partial_dir).exists():
+            os.replace(partial_dir, dest / "chunks")
+        raise ShardInvalid(f"shard {tokens.shard_id} ({path}) failed verification: {'; '.join(result['problems'])}. "
+                           f"Its files were moved to {dest}; the next run extracts it again.")
+    report_path = Path(report_path)
+    tmp = report_path.with_name(report_path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, report_path)
+    return result
 
 
 def _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype) -> list[str]:

@@ -1,5 +1,7 @@
 # One job per shard: load the target in vLLM once, prefill the shard, capture the planned
-# layers, commit chunks, write one safetensors file atomically.
+# layers, commit chunks, write one safetensors file atomically, then verify it (keys, shapes,
+# dtypes, values, alignment with the tokenized shard): the report is written last, and a shard
+# that fails verification is moved to quarantine (eagleflow.verify.verify_extracted_shard).
 # Both inputs are content-addressed by their paths (the shard id hashes the tokens, the
 # fingerprint hashes what makes the tensors), so a newer mtime cannot mean new content:
 # they are ancient() and never trigger re-extraction.
@@ -16,6 +18,7 @@ rule extract_shard:
     output:
         hidden=f"{HIDDEN}/{{shard}}.safetensors",
         record=f"{HIDDEN}/{{shard}}.json",
+        report=f"{HIDDEN}/{{shard}}.verify.json",
     log:
         f"{R}/logs/extract/{{fp}}/{{shard}}.log",
     benchmark:
@@ -24,7 +27,8 @@ rule extract_shard:
         CONDA_ENV
     # One engine per machine when run locally (it uses every core); on a cluster the job asks
     # for GPUs on one node, CPUs and memory to match, and a runtime estimated from the
-    # shard's tokens, the throughput and the model load time (README, "On a SLURM cluster").
+    # shard's tokens, the throughput, the model load time and the verification read (README,
+    # "On a SLURM cluster").
     threads: extract_threads
     resources:
         gpu=jobres.extract_gpus(EXTRACT),

@@ -25,19 +25,14 @@ def extract_mem_mb(wildcards):
 
 def extract_runtime(wildcards, input, attempt):
     tokens_per_second, engine_start_s = measured_rates(wildcards.fp)
+    n_tokens = jobres.shard_tokens(input.tokens)
     return jobres.extract_runtime_minutes(
-        jobres.shard_tokens(input.tokens),
+        n_tokens,
         tokens_per_second or EXTRACT["tokens_per_second"],
         engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"],
-        attempt,
-    )
-
-
-def verify_runtime(wildcards, input, attempt):
-    return jobres.verify_runtime_minutes(
-        jobres.shard_tokens(input.tokens),
-        len(layer_ids()),
-        read_target(TARGET).hidden_size,
+        jobres.verify_minutes(
+            n_tokens, len(layer_ids()), read_target(TARGET).hidden_size
+        ),
         attempt,
     )
 

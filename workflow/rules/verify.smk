@@ -1,38 +1,14 @@
-# Verify every shard (keys, shapes, dtypes, values, alignment), then one summary table.
-# A verify job streams one shard (small job); the summary is a table (local on a cluster).
+# One summary table of every shard's verification report (each extract job verifies the shard
+# it wrote: extract.smk); a table, so local on a cluster.
 
 
 localrules:
     verify_summary,
 
 
-rule verify_shard:
-    input:
-        hidden=f"{HIDDEN}/{{shard}}.safetensors",
-        record=f"{HIDDEN}/{{shard}}.json",
-        tokens=ancient(f"{R}/shards/tokens/{{shard}}.safetensors"),
-        plan=ancient(f"{HIDDEN}/capture_plan.json"),
-    output:
-        f"{HIDDEN}/{{shard}}.verify.json",
-    log:
-        f"{R}/logs/verify/{{fp}}/{{shard}}.log",
-    benchmark:
-        f"{R}/benchmarks/verify/{{fp}}/{{shard}}.tsv"
-    conda:
-        CONDA_ENV
-    resources:
-        mem_mb=4000,
-        runtime=verify_runtime,
-    params:
-        dtype=config["extract"]["dtype"],
-    script:
-        "../scripts/verify_shard.py"
-
-
 rule verify_summary:
     input:
         reports=per_shard(".verify.json"),
-        records=per_shard(".json"),
     output:
         table=report(
             f"{HIDDEN}/verify_summary.tsv",

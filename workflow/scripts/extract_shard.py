@@ -4,6 +4,7 @@ import sys
 from eagleflow.extract import EngineSettings, extract_shard
 from eagleflow.capture import plan_path
 from eagleflow.logs import redirect_to_log
+from eagleflow.verify import ShardInvalid
 
 
 def check_devices_here(settings, ext):
@@ -41,10 +42,13 @@ def main():
         plan = json.load(f)
     with redirect_to_log(snakemake.log[0]):
         check_devices_here(settings, ext)
-        record = extract_shard(
-            snakemake.input.tokens, plan, snakemake.wildcards.fp, snakemake.output.hidden,
-            snakemake.output.record, settings, chunk_tokens=ext["chunk_tokens"],
-        )
+        try:
+            record = extract_shard(
+                snakemake.input.tokens, plan, snakemake.wildcards.fp, snakemake.output.hidden,
+                snakemake.output.record, snakemake.output.report, settings, chunk_tokens=ext["chunk_tokens"],
+            )
+        except ShardInvalid as e:
+            sys.exit(str(e))
         print(
             f"shard {record['shard_id']}: {record['n_tokens']} tokens, "
             f"{record['tokens_per_second']} tok/s, {record['bytes']} bytes, model loaded: {record['model_loaded']}"
