@@ -86,7 +86,8 @@ def test_regeneration_bad_rows_and_long_prompts_are_named(tmp_path, tokenizer_di
 
 @pytest.mark.vllm
 def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
-    """A tiny (untrained) DeepseekV3 target answers two prompts through vLLM's LLM.generate."""
+    """A tiny (untrained) DeepseekV3 target answers two prompts through vLLM's LLM.generate,
+    with the embedded default's engine settings (MLA off, as on CPU; max_num_seqs set)."""
     from eagleflow.bundled_data import generate_conversations
     from eagleflow.tiny_target import build_tiny_target
 
@@ -95,8 +96,9 @@ def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
     data = write_jsonl(tmp_path / "q.jsonl", [{"turns": ["What is 2 plus 3?", "And 4 plus 4?"]},
                                               {"turns": ["Spell the word dog."]}])
     summary = regenerate_dataset(data, target, tmp_path / "o.jsonl", tmp_path / "r.jsonl", max_length=128,
-                                 max_new_tokens=12)
+                                 max_new_tokens=12, engine={"mla": False, "max_num_seqs": 4})
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert summary["replies"] == 3 and sum(summary["finish_reasons"].values()) == 3
+    assert 3 <= summary["generated_tokens"] <= 36 and summary["tokens_per_s"] > 0
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert all(isinstance(m["content"], str) for r in rows for m in r["messages"])

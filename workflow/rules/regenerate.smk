@@ -34,6 +34,8 @@ rule regenerate:
             "gpu_memory_utilization": EXTRACT["gpu_memory_utilization"],
             "cpu_kvcache_space_gib": EXTRACT["cpu_kvcache_space_gib"],
             "cpu_threads_bind": EXTRACT["cpu_threads_bind"],
+            "max_num_seqs": REGENERATE["max_num_seqs"],
+            "mla": REGENERATE["mla"],
         },
     script:
         "../scripts/regenerate.py"
