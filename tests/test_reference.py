@@ -11,6 +11,7 @@ target's aux_layers capture of the mixed shard is computed once and reused as th
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +195,29 @@ def test_deepseek_both_strategies_match_the_reference_and_each_other(deepseek, d
     final = aux[a:b, -1].float()
     rel = lambda x, y: float(((x - y).norm(dim=-1) / y.norm(dim=-1)).median())  # noqa: E731
     assert rel(final, pre) < 0.05 and rel(final, post) > 0.5
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vLLM 0.32 on the CPU computes DeepseekV3 attention differently from transformers once attention "
+    "is not near uniform: layer 2 median rel 0.58 here (transformers bf16 vs fp32: 0.007), the same "
+    "through aux_layers and patched_forward, with and without VLLM_MLA_DISABLE; cause not found "
+    "(README, 'Proven against a reference')"))
+def test_deepseek_with_sharp_attention_matches_the_reference(deepseek, engines, tmp_path):
+    """The random target's attention is near uniform, which hides how keys and positions are used
+    (a trained target is not: the same gap shows there). Scaling every query projection by 24
+    makes attention sharp without training; transformers in bf16 stays within 0.01 of float32
+    on the layers checked, so the reference check can tell a wrong attention from rounding."""
+    from safetensors.torch import load_file, save_file
+
+    sharp = shutil.copytree(deepseek.path, tmp_path / "sharp")
+    weights = load_file(str(sharp / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("q_b_proj.weight")]:
+        weights[name] = (weights[name].float() * 24).to(torch.bfloat16)
+    save_file(weights, str(sharp / "model.safetensors"), metadata={"format": "pt"})
+    ids = [2, 4]
+    plan = make_plan(deepseek.info, ids, "aux_layers")
+    states = capture(engines.get("deepseek-sharp", settings(sharp)), deepseek.shard, plan, tmp_path / "out")
+    assert_matches_reference(load_reference_model(sharp), states, deepseek.shard, ids)
 
 
 def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
