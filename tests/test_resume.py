@@ -64,12 +64,11 @@ def chunks(partial):
 
 
 def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extracted_workdir, tmp_path):
-    reference = copy_workdir(extracted_workdir, tmp_path / "reference")
+    # The uninterrupted result is the shared fixture's own extraction of the same shard (chunk
+    # size and batch limits are not in the fingerprint: same directory, same tensors up to noise).
+    reference = extracted_workdir
     shard_id = sorted(p.stem for p in hidden_dir(reference).glob("*.safetensors"))[0]
-    forget_shard(reference, shard_id)
-    snakemake(reference, *shard_targets(reference, shard_id), config=CHUNKED)
-    ref_record = json.loads((hidden_dir(reference) / f"{shard_id}.json").read_text())
-    assert ref_record["model_loaded"]
+    assert json.loads((hidden_dir(reference) / f"{shard_id}.json").read_text())["model_loaded"]
 
     work = copy_workdir(extracted_workdir, tmp_path / "killed")
     forget_shard(work, shard_id)
