@@ -29,6 +29,7 @@ from .hidden_states_connector import run_connector_chunks, strategy_engine_kwarg
 from .safetensors_stream import StreamingWriter
 from .shards import read_token_shard
 from .verify import verify_extracted_shard
+from .vllm_fixes import fix_cpu_rope
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "eagleflow.capture_worker.CaptureExtension"
@@ -122,6 +123,8 @@ def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
     from vllm import LLM
 
     check_platform(settings.device)
+    if settings.device == "cpu":
+        fix_cpu_rope()  # before the model is built (TP=1 builds it in this process)
     kwargs = dict(
         model=settings.target,
         tokenizer=settings.target,

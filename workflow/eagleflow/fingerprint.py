@@ -23,7 +23,7 @@ from pathlib import Path
 from .target import TOKENIZER_FILES
 
 # Bump when the extraction code changes what is written (layout, capture semantics).
-EXTRACTION_CODE_VERSION = 1
+EXTRACTION_CODE_VERSION = 2  # 2: vLLM CPU rotary fix (vllm_fixes.fix_cpu_rope) changes DeepSeek states
 SIGNATURE_BYTES = 64 * 1024
 
 

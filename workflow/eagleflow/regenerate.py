@@ -101,9 +101,9 @@ def vllm_generator(target, max_new_tokens: int, max_model_len: int, device: str 
     `kv_a_layernorm` -> `kv_b_proj` up-projection run at every step and full per-head K/V
     cached) instead of `DeepseekV2MLAAttention` (the latent cached, `kv_b_proj` absorbed into
     the query/output). Same weights and, on paper, the same function; on vLLM 0.32's CPU
-    backend it decodes 5x faster for the tiny target. Measured on the trained tiny target, the
-    two paths' greedy replies do not agree with each other, nor either with transformers'
-    (README, "Regeneration on CPU"): the figures count as the vLLM path's own outputs only."""
+    backend it decodes 5x faster for the tiny target. Both paths depend on eagleflow's fix of
+    vLLM 0.32's CPU rotary kernel (eagleflow.vllm_fixes), applied below; before it, neither
+    path's greedy replies agreed with transformers' (README, "Regeneration on CPU")."""
     from eagleflow.extract import EngineSettings, check_platform, configure_process_env
 
     settings = EngineSettings(target=str(target), device=device, tensor_parallel_size=tensor_parallel_size,
@@ -115,6 +115,10 @@ def vllm_generator(target, max_new_tokens: int, max_model_len: int, device: str 
     from vllm.inputs import TokensPrompt
 
     check_platform(device)
+    if device == "cpu":
+        from eagleflow.vllm_fixes import fix_cpu_rope
+
+        fix_cpu_rope()
     kwargs = dict(model=str(target), tokenizer=str(target), tensor_parallel_size=tensor_parallel_size,
                   dtype=dtype, max_model_len=max_model_len, enforce_eager=device == "cpu", seed=seed)
     if max_num_seqs:
