@@ -31,16 +31,8 @@ import torch
 from .safetensors_stream import StreamingWriter
 from .vllm_fixes import fix_cpu_rope
 
-
-def _fix_vllm_here():
-    """Worker processes build the model after importing this module (TP > 1 on the CPU)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        fix_cpu_rope()
-
-
-_fix_vllm_here()
+# Worker processes build the model after importing this module (TP > 1 on the CPU).
+fix_cpu_rope()
 
 
 def _surface_errors(fn):

@@ -123,8 +123,7 @@ def start_engine(settings: EngineSettings, strategy_kwargs: dict | None = None):
     from vllm import LLM
 
     check_platform(settings.device)
-    if settings.device == "cpu":
-        fix_cpu_rope()  # before the model is built (TP=1 builds it in this process)
+    fix_cpu_rope()  # before the model is built (TP=1 builds it in this process)
     kwargs = dict(
         model=settings.target,
         tokenizer=settings.target,

@@ -115,10 +115,9 @@ def vllm_generator(target, max_new_tokens: int, max_model_len: int, device: str 
     from vllm.inputs import TokensPrompt
 
     check_platform(device)
-    if device == "cpu":
-        from eagleflow.vllm_fixes import fix_cpu_rope
+    from eagleflow.vllm_fixes import fix_cpu_rope
 
-        fix_cpu_rope()
+    fix_cpu_rope()
     kwargs = dict(model=str(target), tokenizer=str(target), tensor_parallel_size=tensor_parallel_size,
                   dtype=dtype, max_model_len=max_model_len, enforce_eager=device == "cpu", seed=seed)
     if max_num_seqs:

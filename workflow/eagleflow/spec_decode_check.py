@@ -46,12 +46,10 @@ def run(target: str, draft: str | None, k: int, prompts: list, max_tokens: int, 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
     from eagleflow.vllm_fixes import fix_cpu_rope
 
-    if current_platform.is_cpu():
-        fix_cpu_rope()
+    fix_cpu_rope()
     t0 = time.time()
     llm = LLM(
         model=target,

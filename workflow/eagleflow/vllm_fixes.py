@@ -7,7 +7,7 @@ DeepseekV2/V3 attention (MLA and plain) passes its rope part as a 3-D view. On a
 whose attention is near uniform, this hardly shows; on a trained one it moved the first layer's
 output by a median 3% and a 95th percentile of 105% (README, "Proven against a reference").
 
-`fix_cpu_rope()` runs a tiny self-test of the kernel and, only if the 3-D result is wrong,
+`fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D result is wrong,
 routes 3-D calls through the 2-D layout. It must run in every process that builds a model
 before the model is built (vLLM binds the method at construction): eagleflow calls it where it
 starts engines and where its worker extension is imported.
@@ -15,9 +15,9 @@ starts engines and where its worker extension is imported.
 
 from __future__ import annotations
 
-import torch
+import functools
 
-_FIXED = False
+import torch
 
 
 def _gptj_rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -58,23 +58,20 @@ def _flattened(forward_cpu):
         q, k = forward_cpu(self, positions, q, k)
         return q.view(shape_q), None if key is None else k.view(key.shape)
 
-    forward_cpu_2d.eagleflow_fix = True
     return forward_cpu_2d
 
 
+@functools.cache
 def fix_cpu_rope() -> bool:
-    """Apply the fix in this process if the self-test fails; True if the fix is in place."""
-    global _FIXED
-    if _FIXED:
-        return True
+    """On the CPU platform, apply the fix in this process if the self-test fails (once per
+    process); True if the fix is in place."""
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    from vllm.platforms import current_platform
 
-    if getattr(RotaryEmbedding.forward_cpu, "eagleflow_fix", False):
-        _FIXED = True
-    elif cpu_rope_3d_is_wrong():
-        RotaryEmbedding.forward_cpu = _flattened(RotaryEmbedding.forward_cpu)
-        if cpu_rope_3d_is_wrong():
-            raise RuntimeError("eagleflow: vLLM's CPU rotary embedding is wrong for 3-D queries and the "
-                               "flattening fix did not repair it; extraction would be wrong")
-        _FIXED = True
-    return _FIXED
+    if not current_platform.is_cpu() or not cpu_rope_3d_is_wrong():
+        return False
+    RotaryEmbedding.forward_cpu = _flattened(RotaryEmbedding.forward_cpu)
+    if cpu_rope_3d_is_wrong():
+        raise RuntimeError("eagleflow: vLLM's CPU rotary embedding is wrong for 3-D queries and the "
+                           "flattening fix did not repair it; extraction would be wrong")
+    return True
