@@ -59,6 +59,20 @@ def _pad(batch, pad_id: int, multiple: int = 8):
     return ids, labels
 
 
+def _length_batches(indices, samples, batch_tokens: int) -> list[list[int]]:
+    """`indices` sorted by sample length, cut into consecutive batches whose padded size
+    (longest x count) stays within `batch_tokens` (a longer sample alone is a batch)."""
+    batches, batch = [], []
+    for i in sorted(indices, key=lambda i: len(samples[i][0])):
+        if batch and len(samples[i][0]) * (len(batch) + 1) > batch_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 def _batches(samples, batch_tokens: int, pad_id: int, generator, group: int = 64):
     """Endless seeded stream of padded batches (ids, labels) of at most about `batch_tokens`
     tokens, padding included. Length-grouped: each epoch is shuffled, cut into windows of
@@ -71,16 +85,7 @@ def _batches(samples, batch_tokens: int, pad_id: int, generator, group: int = 64
     while True:
         order = torch.randperm(len(samples), generator=generator).tolist()
         for start in range(0, len(order), window):
-            chunk = sorted(order[start:start + window], key=lambda i: len(samples[i][0]))
-            batches, batch = [], []
-            for i in chunk:
-                longest = max([len(samples[i][0])] + [len(samples[j][0]) for j in batch])
-                if batch and longest * (len(batch) + 1) > batch_tokens:
-                    batches.append(batch)
-                    batch = []
-                batch.append(i)
-            if batch:
-                batches.append(batch)
+            batches = _length_batches(order[start:start + window], samples, batch_tokens)
             for b in torch.randperm(len(batches), generator=generator).tolist():
                 yield _pad([samples[i] for i in batches[b]], pad_id)
 
@@ -91,19 +96,13 @@ def mean_loss(model, samples, pad_id: int, batch_tokens: int = 2048) -> float:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
-    batch = []
-    for k, i in enumerate(order + [None]):
-        if i is not None and (not batch or len(samples[i][0]) * (len(batch) + 1) <= batch_tokens):
-            batch.append(samples[i])
-            continue
-        ids, labels = _pad(batch, pad_id)
+    for batch in _length_batches(range(len(samples)), samples, batch_tokens):
+        ids, labels = _pad([samples[i] for i in batch], pad_id)
         logits = model(input_ids=ids, attention_mask=(ids != pad_id).long()).logits[:, :-1].float()
         target = labels[:, 1:]
         total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                          ignore_index=-100, reduction="sum"))
         count += int((target != -100).sum())
-        batch = [samples[i]] if i is not None else []
     model.train(was_training)
     return total / max(1, count)
 
