@@ -301,10 +301,23 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, t
     assert "error" not in eagle, eagle.get("stderr_tail")
     assert eagle["num_drafts"] > 0 and len(eagle["num_accepted_tokens_per_pos"]) == 2
     assert 1 <= eagle["acceptance_length"] <= 3 and ref["num_drafts"] > 0
+    agreement = eagle["greedy_agreement_with_reference"]
+    assert 0 <= agreement["identical_prompts"] <= 1 and 0 <= agreement["tokens_before_divergence"] <= 1
     html = work / "report.html"
     snakemake(work, "--report", str(html), config=config)
     text = html.read_text(errors="replace")
     assert all(name in text for name in ("curves.png", "acceptance.png", "verify_summary.tsv"))
+
+
+def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
+    from eagleflow.acceptance import greedy_agreement
+
+    ref = [[5, 6, 7, 2], [8, 9, 2], [4, 2]]
+    assert greedy_agreement(ref, ref) == {"identical_prompts": 1.0, "tokens_before_divergence": 1.0}
+    got = greedy_agreement([[5, 6, 1, 2], [8, 9, 2], [3, 2]], ref)
+    assert got == {"identical_prompts": 1 / 3, "tokens_before_divergence": (2 + 3 + 0) / 9}
+    with pytest.raises(ValueError, match="2 outputs against 3"):
+        greedy_agreement(ref[:2], ref)
 
 
 # ---------------------------------------------------------------- the draft's forward == vLLM's

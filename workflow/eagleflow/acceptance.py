@@ -164,7 +164,7 @@ def run_reference(target_dir, export_dir, prompts, k: int = 3, max_tokens: int =
     target = HFTarget(target_dir, cfg["eagle_aux_hidden_state_layer_ids"])
     tok = AutoTokenizer.from_pretrained(target_dir)
     result = reference_acceptance(target, draft, prompts, k, max_tokens, tok.eos_token_id)
-    result["texts"] = [tok.decode(o, skip_special_tokens=True) for o in result.pop("output_token_ids")]
+    result["texts"] = [tok.decode(o, skip_special_tokens=True) for o in result["output_token_ids"]]
     result["seconds"] = round(time.time() - t0, 1)
     return result
 
@@ -203,6 +203,25 @@ def run_vllm(method: str, target_dir, prompts, k: int, max_tokens: int, draft_di
 
 
 # ---------------------------------------------------------------- report
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far a path's greedy tokens follow the reference loop's (fp32 transformers target):
+    the share of prompts with identical outputs, and of reference tokens before the first
+    difference. Speculation never changes greedy output, so a low figure means the engine's
+    target computes something else (as a spawned engine core without eagleflow's CPU rope fix
+    did); bf16 against fp32 accounts for a few late divergences."""
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs against {len(reference)} reference outputs")
+    identical = prefix = total = 0
+    for out, ref in zip(outputs, reference):
+        n = 0
+        while n < min(len(out), len(ref)) and out[n] == ref[n]:
+            n += 1
+        identical += out == ref
+        prefix += n
+        total += len(ref)
+    return {"identical_prompts": identical / len(reference), "tokens_before_divergence": prefix / total}
+
 
 def plot(results: dict, k: int, path) -> None:
     import matplotlib
@@ -253,6 +272,11 @@ def evaluate(target_dir, export_dir, dataset, out_json, out_png, k: int = 3, max
         results[name]["wall_s"] = round(time.time() - t0, 1)
         log(f"{name}: " + json.dumps({x: results[name].get(x) for x in (
             "acceptance_length", "acceptance_rate_per_pos", "num_drafts", "error")}))
+    reference = results.get("reference", {}).get("output_token_ids")
+    for name, r in results.items():
+        if reference is not None and name != "reference" and "output_token_ids" in r:
+            r["greedy_agreement_with_reference"] = greedy_agreement(r["output_token_ids"], reference)
+            log(f"{name} greedy agreement with the reference: {r['greedy_agreement_with_reference']}")
     report = {"k": k, "max_tokens": max_tokens, "target": str(target_dir), "draft": str(export_dir),
               "heldout": {"modulus": modulus, "sample_ids": [p["sample_id"] for p in prompts]},
               "vllm_mla_disabled": no_mla, "results": results}

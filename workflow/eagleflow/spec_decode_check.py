@@ -43,6 +43,9 @@ def run(target: str, draft: str | None, k: int, prompts: list, max_tokens: int, 
     """`prompts`: strings, or lists of token ids (already chat-templated)."""
     if no_mla:
         os.environ["VLLM_MLA_DISABLE"] = "1"
+    # The engine core in this process: fix_cpu_rope() patches only the process it runs in, and a
+    # spawned engine core (vLLM's default) ran the CPU target with the broken rotary kernel.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -10,7 +10,9 @@ output by a median 3% and a 95th percentile of 105% (README, "Proven against a r
 `fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D result is wrong,
 routes 3-D calls through the 2-D layout. It must run in every process that builds a model
 before the model is built (vLLM binds the method at construction): eagleflow calls it where it
-starts engines and where its worker extension is imported.
+starts engines and where its worker extension is imported. A process vLLM spawns (its V1
+engine core, by default) does not inherit the patch: eagleflow keeps the engine core in the
+calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) or reaches it through the worker extension.
 """
 
 from __future__ import annotations
