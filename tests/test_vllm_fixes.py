@@ -24,3 +24,15 @@ def test_cpu_rope_fix_rotates_3d_queries_like_the_reference():
     q_pe, k_pe = rope.forward_cpu(positions, q[..., 32:], latent[:, :, 512:])
     assert torch.allclose(q_pe.double(), _gptj_rotate(q[..., 32:], positions, 10000.0), atol=1e-4)
     assert torch.allclose(k_pe.double(), _gptj_rotate(latent[:, :, 512:], positions, 10000.0), atol=1e-4)
+
+
+def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
+    """vLLM imports `worker_extension_cls` in the processes it spawns (engine core, TP workers),
+    which do not inherit a patch made in the caller: importing the extension must fix the kernel."""
+    import subprocess
+    import sys
+
+    code = ("from eagleflow.vllm_fixes import cpu_rope_3d_is_wrong; assert cpu_rope_3d_is_wrong(); "
+            "import eagleflow.fixed_worker; assert not cpu_rope_3d_is_wrong()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

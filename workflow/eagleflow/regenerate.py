@@ -115,11 +115,12 @@ def vllm_generator(target, max_new_tokens: int, max_model_len: int, device: str 
     from vllm.inputs import TokensPrompt
 
     check_platform(device)
-    from eagleflow.vllm_fixes import fix_cpu_rope
+    # Importing it applies the CPU rope fix here; as the worker extension, in vLLM's own processes.
+    from eagleflow.fixed_worker import WORKER_EXTENSION as FIXED_WORKER
 
-    fix_cpu_rope()
     kwargs = dict(model=str(target), tokenizer=str(target), tensor_parallel_size=tensor_parallel_size,
-                  dtype=dtype, max_model_len=max_model_len, enforce_eager=device == "cpu", seed=seed)
+                  dtype=dtype, max_model_len=max_model_len, enforce_eager=device == "cpu", seed=seed,
+                  worker_extension_cls=FIXED_WORKER)
     if max_num_seqs:
         kwargs["max_num_seqs"] = max_num_seqs
     if device == "cuda":
