@@ -30,19 +30,32 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 import psutil  # noqa: E402  (a vLLM dependency)
 
-from eagleflow.bundled_data import generate_conversations  # noqa: E402
-from eagleflow.capture import make_plan  # noqa: E402
-from eagleflow.conversations import Conversation  # noqa: E402
-from eagleflow.extract import EngineSettings, Timings, _run_chunks, assemble_shard, chunk_ranges, start_engine  # noqa: E402
-from eagleflow.layers import default_layer_ids  # noqa: E402
-from eagleflow.shards import build_shards  # noqa: E402
-from eagleflow.target import count_parameters, read_target  # noqa: E402
-from eagleflow.templating import tokenize_conversation, tokenizer_digest  # noqa: E402
-from eagleflow.tiny_target import build_tiny_target  # noqa: E402
+from eagleflow.capture.plan import make_plan  # noqa: E402
+from eagleflow.data.conversations import Conversation  # noqa: E402
+from eagleflow.data.shards import build_shards  # noqa: E402
+from eagleflow.data.templating import tokenize_conversation, tokenizer_digest  # noqa: E402
+from eagleflow.extract.shard import (
+    EngineSettings,
+    Timings,
+    _run_chunks,
+    assemble_shard,
+    chunk_ranges,
+    start_engine,
+)  # noqa: E402
+from eagleflow.fixtures.bundled_data import generate_conversations  # noqa: E402
+from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
+from eagleflow.target.info import count_parameters, read_target  # noqa: E402
+from eagleflow.target.layers import default_layer_ids  # noqa: E402
 
 # The embedded architecture, four times wider (MLA latent sizes stay what the CPU kernel needs).
-BENCH_ARCH = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
-                  num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256)
+BENCH_ARCH = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=256,
+)
 
 
 class PeakRSS:
@@ -91,7 +104,7 @@ def make_shard(tokenizer, n_tokens: int, seed: int):
     convs, toks, total, i = [], [], 0, 0
     while i < len(rows):
         k = 4 + (i % 17)
-        msgs = tuple(m for r in rows[i:i + k] for m in r["messages"])
+        msgs = tuple(m for r in rows[i : i + k] for m in r["messages"])
         t = tokenize_conversation(tokenizer, msgs, 600)
         if total + len(t.input_ids) > n_tokens:
             break
@@ -106,7 +119,10 @@ def plain_prefill(llm, shard) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=shard.sample(j)[0].tolist()) for j in range(len(shard.sample_ids))]
+    prompts = [
+        TokensPrompt(prompt_token_ids=shard.sample(j)[0].tolist())
+        for j in range(len(shard.sample_ids))
+    ]
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     return time.perf_counter() - t0
@@ -119,15 +135,29 @@ def eagleflow_extract(llm, shard, plan, workdir: Path, chunk_tokens: int):
     ranges = chunk_ranges(shard.offsets, chunk_tokens)
     timings = Timings()
     t0 = time.perf_counter()
-    _run_chunks(llm, shard, ranges, list(range(len(ranges))), partial, plan, "bench", timings, lambda m: None)
+    _run_chunks(
+        llm,
+        shard,
+        ranges,
+        list(range(len(ranges))),
+        partial,
+        plan,
+        "bench",
+        timings,
+        lambda m: None,
+    )
     with timings.phase("assemble"):
-        sha, size = assemble_shard(shard, ranges, partial, plan, "bench", workdir / f"{shard.shard_id}.safetensors")
+        sha, size = assemble_shard(
+            shard, ranges, partial, plan, "bench", workdir / f"{shard.shard_id}.safetensors"
+        )
     return time.perf_counter() - t0, size, timings.seconds
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8000, help="tokens in the small shard (the large one has 4x)")
+    ap.add_argument(
+        "--tokens", type=int, default=8000, help="tokens in the small shard (the large one has 4x)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="1x,4x", help="which shards to run: 1x, 4x or both")
     ap.add_argument("--chunk-tokens", type=int, default=4096)
@@ -141,18 +171,29 @@ def main():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    build = {"1x": lambda: make_shard(tokenizer, args.tokens, 1), "4x": lambda: make_shard(tokenizer, 4 * args.tokens, 2)}
+    build = {
+        "1x": lambda: make_shard(tokenizer, args.tokens, 1),
+        "4x": lambda: make_shard(tokenizer, 4 * args.tokens, 2),
+    }
     shards = {name: build[name]() for name in args.sizes.split(",")}
     plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
     max_len = max(int(max(s.offsets[1:] - s.offsets[:-1])) for s in shards.values()) + 1
-    settings = EngineSettings(target=str(target), max_model_len=max_len, max_num_batched_tokens=8192)
-    print(f"target: DeepseekV3ForCausalLM, {info.num_layers} layers, hidden {info.hidden_size}, "
-          f"{count_parameters(info) / 1e6:.0f}M parameters (MLA, 8 routed + 1 shared experts), bf16, TP=1 CPU")
-    print(f"capture: layer ids {plan['layer_ids']}, strategy {plan['strategy']}, chunk_tokens {args.chunk_tokens}")
+    settings = EngineSettings(
+        target=str(target), max_model_len=max_len, max_num_batched_tokens=8192
+    )
+    print(
+        f"target: DeepseekV3ForCausalLM, {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"{count_parameters(info) / 1e6:.0f}M parameters (MLA, 8 routed + 1 shared experts), bf16, TP=1 CPU"
+    )
+    print(
+        f"capture: layer ids {plan['layer_ids']}, strategy {plan['strategy']}, chunk_tokens {args.chunk_tokens}"
+    )
     for name, s in shards.items():
         lengths = s.offsets[1:] - s.offsets[:-1]
-        print(f"shard {name}: {len(s.sample_ids)} samples, {len(s.input_ids)} tokens "
-              f"({int(lengths.min())}-{int(lengths.max())} per sample)")
+        print(
+            f"shard {name}: {len(s.sample_ids)} samples, {len(s.input_ids)} tokens "
+            f"({int(lengths.min())}-{int(lengths.max())} per sample)"
+        )
     t0 = time.perf_counter()
     llm = start_engine(settings)
     llm.collective_rpc("eagleflow_install", args=(plan,))
@@ -160,10 +201,12 @@ def main():
     sched = llm.llm_engine.vllm_config.scheduler_config
     # Both arms run on this one engine, so they share every setting; vLLM's CPU platform
     # replaces max_num_batched_tokens for MLA models (chunked prefill off), hence printed as found.
-    print(f"engine settings (both arms): max_num_batched_tokens {sched.max_num_batched_tokens}, "
-          f"max_num_seqs {sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}, "
-          f"prefix caching {llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}, "
-          f"max_model_len {settings.max_model_len}")
+    print(
+        f"engine settings (both arms): max_num_batched_tokens {sched.max_num_batched_tokens}, "
+        f"max_num_seqs {sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}, "
+        f"prefix caching {llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}, "
+        f"max_model_len {settings.max_model_len}"
+    )
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     # Warm-up, not measured: first calls allocate and fault in memory.
     plain_prefill(llm, shards["1x"])
@@ -186,7 +229,9 @@ def main():
         def run_ours():
             c0 = tree_cpu_seconds()
             with PeakRSS() as mem:
-                seconds, size, ph = eagleflow_extract(llm, shard, plan, args.workdir / "out", args.chunk_tokens)
+                seconds, size, ph = eagleflow_extract(
+                    llm, shard, plan, args.workdir / "out", args.chunk_tokens
+                )
             ours_cpu.append(n / (tree_cpu_seconds() - c0))
             ours.append(n / seconds)
             written.append(size / seconds)
@@ -195,32 +240,48 @@ def main():
 
         for rep in range(args.repeats):
             # Alternate which arm goes first, so neither always follows the other.
-            for run in ((run_plain, run_ours) if rep % 2 == 0 else (run_ours, run_plain)):
+            for run in (run_plain, run_ours) if rep % 2 == 0 else (run_ours, run_plain):
                 run()
             loads.append(os.getloadavg()[0])
         p, o = statistics.median(plain), statistics.median(ours)
-        results[name] = {"tokens": n, "plain_tok_s": p, "eagleflow_tok_s": o, "ratio": o / p,
-                         "plain_runs": plain, "eagleflow_runs": ours, "load_1min": loads,
-                         "plain_tok_per_cpu_s": statistics.median(plain_cpu),
-                         "eagleflow_tok_per_cpu_s": statistics.median(ours_cpu),
-                         "cpu_ratio": statistics.median(ours_cpu) / statistics.median(plain_cpu),
-                         "bytes_per_s": statistics.median(written), "peak_rss": max(peaks),
-                         "plain_peak_rss": max(plain_peaks),
-                         "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]}}
-        print(f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
-              f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
-              f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB "
-              f"(plain {max(plain_peaks) / 2**30:.2f} GiB), "
-              f"load average {min(loads):.1f}-{max(loads):.1f}")
-        print(f"  per CPU-second of the process tree (load-insensitive): plain {statistics.median(plain_cpu):.1f} "
-              f"[{', '.join(f'{x:.1f}' for x in plain_cpu)}], eagleflow {statistics.median(ours_cpu):.1f} "
-              f"[{', '.join(f'{x:.1f}' for x in ours_cpu)}] tok/cpu-s, cpu_ratio "
-              f"{results[name]['cpu_ratio']:.3f}")
-        print("  where the extraction's time went (median s): " + ", ".join(
-            f"{k} {v:.2f}" for k, v in results[name]["phases"].items()))
+        results[name] = {
+            "tokens": n,
+            "plain_tok_s": p,
+            "eagleflow_tok_s": o,
+            "ratio": o / p,
+            "plain_runs": plain,
+            "eagleflow_runs": ours,
+            "load_1min": loads,
+            "plain_tok_per_cpu_s": statistics.median(plain_cpu),
+            "eagleflow_tok_per_cpu_s": statistics.median(ours_cpu),
+            "cpu_ratio": statistics.median(ours_cpu) / statistics.median(plain_cpu),
+            "bytes_per_s": statistics.median(written),
+            "peak_rss": max(peaks),
+            "plain_peak_rss": max(plain_peaks),
+            "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]},
+        }
+        print(
+            f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
+            f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
+            f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB "
+            f"(plain {max(plain_peaks) / 2**30:.2f} GiB), "
+            f"load average {min(loads):.1f}-{max(loads):.1f}"
+        )
+        print(
+            f"  per CPU-second of the process tree (load-insensitive): plain {statistics.median(plain_cpu):.1f} "
+            f"[{', '.join(f'{x:.1f}' for x in plain_cpu)}], eagleflow {statistics.median(ours_cpu):.1f} "
+            f"[{', '.join(f'{x:.1f}' for x in ours_cpu)}] tok/cpu-s, cpu_ratio "
+            f"{results[name]['cpu_ratio']:.3f}"
+        )
+        print(
+            "  where the extraction's time went (median s): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in results[name]["phases"].items())
+        )
     if len(results) == 2:
-        print("peak RSS, 4x shard vs 1x shard: "
-              f"{results['4x']['peak_rss'] / results['1x']['peak_rss']:.2f}")
+        print(
+            "peak RSS, 4x shard vs 1x shard: "
+            f"{results['4x']['peak_rss'] / results['1x']['peak_rss']:.2f}"
+        )
     (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"ratio={min(r['ratio'] for r in results.values()):.3f}")
 

@@ -3,13 +3,13 @@
 The GPU machine lent for checks (one H200) has PyTorch but no vLLM, so this script covers
 what runs without it, at realistic sizes, and prints one figures table:
 
-  (a) reference check (`eagleflow.reference`): a DeepseekV3 target at DeepSeek-V3's widths
+  (a) reference check (`eagleflow.capture.reference`): a DeepseekV3 target at DeepSeek-V3's widths
       (hidden 7168, MLA with q_lora 1536 / kv_lora 512 / 128 heads, vocab 129,280; fewer
       layers and experts so it fits one GPU), random weights. "Captured" states are the
       same forward in bf16 (what vLLM computes; vLLM itself is not on that machine), stored
       in the shard layout; `check_shard_against_reference` recomputes them in float32 and
       reports per-layer error and the reference forward's throughput.
-  (b) draft training (`eagleflow.draft_model` + `eagleflow.train_draft` pieces): the EAGLE-3
+  (b) draft training (`eagleflow.draft.model` + `eagleflow.draft.train` pieces): the EAGLE-3
       draft sized for DeepSeek-V3 / Kimi-K2 (hidden 7168) and a Llama-3-8B-sized target
       (hidden 4096), bf16 autocast, AdamW, 3 TTT steps: step time, tokens/s, peak GPU memory.
 
@@ -31,39 +31,81 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 import torch  # noqa: E402
 
-from eagleflow.draft_data import ShardLayout, build_batch  # noqa: E402
-from eagleflow.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from eagleflow.layers import default_layer_ids  # noqa: E402
-from eagleflow.reference import check_shard_against_reference, reference_states  # noqa: E402
-from eagleflow.target_head import TargetHead  # noqa: E402
-from eagleflow.train_draft import TrainConfig, optimizer_step  # noqa: E402
+from eagleflow.capture.reference import check_shard_against_reference, reference_states  # noqa: E402
+from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
+from eagleflow.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagleflow.draft.train import TrainConfig, optimizer_step  # noqa: E402
+from eagleflow.target.head import TargetHead  # noqa: E402
+from eagleflow.target.layers import default_layer_ids  # noqa: E402
 
 # DeepSeek-V3's widths; depth and expert count cut so the float32 reference fits one GPU.
 REFERENCE_TARGET = dict(
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=8, num_attention_heads=128, num_key_value_heads=128,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-    max_position_embeddings=4096, tie_word_embeddings=False,
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
 )
 SMALL_TARGET = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
-    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-    max_position_embeddings=512, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=8,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
 )
 # Draft targets: (name, target config fields the draft is sized from, tokens per step to try).
 DRAFT_CASES = [
-    ("deepseek-v3 / kimi-k2", dict(hidden_size=7168, intermediate_size=18432, vocab_size=129280,
-                                   num_hidden_layers=61), (2048, 4096)),
-    ("llama-3-8b", dict(hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                        num_hidden_layers=32), (2048, 4096, 8192)),
+    (
+        "deepseek-v3 / kimi-k2",
+        dict(hidden_size=7168, intermediate_size=18432, vocab_size=129280, num_hidden_layers=61),
+        (2048, 4096),
+    ),
+    (
+        "llama-3-8b",
+        dict(hidden_size=4096, intermediate_size=14336, vocab_size=128256, num_hidden_layers=32),
+        (2048, 4096, 8192),
+    ),
 ]
 SMALL_DRAFT_CASES = [
-    ("small", dict(hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=8), (64,)),
+    (
+        "small",
+        dict(hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=8),
+        (64,),
+    ),
 ]
 
 
@@ -102,12 +144,13 @@ def build_target(fields: dict, device: torch.device):
 
 
 def run_reference(args, device: torch.device) -> list[dict]:
-    """(a) bf16 'captured' states vs the float32 reference, through eagleflow.reference."""
+    """(a) bf16 'captured' states vs the float32 reference, through eagleflow.capture.reference."""
     import copy
 
     fields = SMALL_TARGET if args.small else REFERENCE_TARGET
     n_samples, length = (2, 16) if args.small else (args.ref_samples, args.ref_length)
     import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401 - import apart from build time
+
     reset_peak(device)
     t0 = time.perf_counter()
     model = build_target(fields, device)
@@ -121,33 +164,53 @@ def run_reference(args, device: torch.device) -> list[dict]:
     input_ids = torch.randint(0, fields["vocab_size"], (offsets[-1],), generator=g).numpy()
     # What extraction would have stored: bf16 states [T, n_layers, H] in the shard layout.
     t0 = time.perf_counter()
-    captured = torch.cat([reference_states(model_bf16, input_ids[a:b], layer_ids)
-                          for a, b in zip(offsets[:-1], offsets[1:])]).to(torch.bfloat16)
+    captured = torch.cat(
+        [
+            reference_states(model_bf16, input_ids[a:b], layer_ids)
+            for a, b in zip(offsets[:-1], offsets[1:])
+        ]
+    ).to(torch.bfloat16)
     sync(device)
     capture_s = time.perf_counter() - t0
     del model_bf16
     t0 = time.perf_counter()
-    stats = check_shard_against_reference(model, captured, input_ids, offsets, layer_ids,
-                                          list(range(n_samples)))
+    stats = check_shard_against_reference(
+        model, captured, input_ids, offsets, layer_ids, list(range(n_samples))
+    )
     sync(device)
     check_s = time.perf_counter() - t0
     n_tok = offsets[-1]
-    size = (f"hidden {fields['hidden_size']}, {L} layers, {fields['n_routed_experts']} experts, "
-            f"{n_samples} samples / {n_tok} tokens")
-    print(f"reference target: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
-          f"built in {build_s:.1f} s; layer ids {layer_ids}")
+    size = (
+        f"hidden {fields['hidden_size']}, {L} layers, {fields['n_routed_experts']} experts, "
+        f"{n_samples} samples / {n_tok} tokens"
+    )
+    print(
+        f"reference target: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+        f"built in {build_s:.1f} s; layer ids {layer_ids}"
+    )
     rows = []
     for s in stats:
-        rows.append({
-            "check": f"reference layer {s.layer_id}", "size": size,
-            "figure": (f"median rel err {s.median_rel_err:.4f}, p95 {s.p95_rel_err:.4f}, "
-                       f"mean cos {s.mean_cosine:.5f}, neighbour {s.shifted_median_rel_err:.3f}, "
-                       f"{'ok' if s.ok else 'FAIL'}"),
-            "peak_gib": peak_gib(device)})
-    rows.append({"check": "reference forward (fp32, all layers)", "size": size,
-                 "figure": f"{n_tok / check_s:,.0f} tok/s ({check_s:.2f} s); bf16 capture "
-                           f"{n_tok / capture_s:,.0f} tok/s",
-                 "peak_gib": peak_gib(device)})
+        rows.append(
+            {
+                "check": f"reference layer {s.layer_id}",
+                "size": size,
+                "figure": (
+                    f"median rel err {s.median_rel_err:.4f}, p95 {s.p95_rel_err:.4f}, "
+                    f"mean cos {s.mean_cosine:.5f}, neighbour {s.shifted_median_rel_err:.3f}, "
+                    f"{'ok' if s.ok else 'FAIL'}"
+                ),
+                "peak_gib": peak_gib(device),
+            }
+        )
+    rows.append(
+        {
+            "check": "reference forward (fp32, all layers)",
+            "size": size,
+            "figure": f"{n_tok / check_s:,.0f} tok/s ({check_s:.2f} s); bf16 capture "
+            f"{n_tok / capture_s:,.0f} tok/s",
+            "peak_gib": peak_gib(device),
+        }
+    )
     del model
     return rows
 
@@ -168,7 +231,9 @@ def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int
     starts = [o for o in offsets if o < n_tokens]
     ids = torch.randint(0, target["vocab_size"], (n_tokens,), generator=g)
     mask = torch.rand(n_tokens, generator=g) < 0.7
-    hidden = torch.randn(n_tokens, len(layout.layer_ids), target["hidden_size"], generator=g).to(torch.bfloat16)
+    hidden = torch.randn(n_tokens, len(layout.layer_ids), target["hidden_size"], generator=g).to(
+        torch.bfloat16
+    )
     return build_batch(ids, mask, hidden, starts, layout, steps)
 
 
@@ -186,17 +251,25 @@ def run_draft(args, device: torch.device) -> list[dict]:
         torch.manual_seed(0)
         model = Eagle3Draft(dcfg).to(device)
         g = torch.Generator().manual_seed(3)
-        head = TargetHead(torch.ones(dcfg.hidden_size),
-                          torch.randn(draft_vocab, dcfg.hidden_size, generator=g) * 0.02,
-                          dcfg.rms_norm_eps).to(device)
+        head = TargetHead(
+            torch.ones(dcfg.hidden_size),
+            torch.randn(draft_vocab, dcfg.hidden_size, generator=g) * 0.02,
+            dcfg.rms_norm_eps,
+        ).to(device)
         params = [p for p in model.parameters() if p.requires_grad]
-        optim = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        optim = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
         step = draft_step_fn(model, head, params, optim, cfg, device)
         trainable = sum(p.numel() for p in params) / 1e6
         for n_tokens in token_counts:
-            size = (f"{name}: hidden {dcfg.hidden_size}, {dcfg.num_attention_heads} heads, "
-                    f"{trainable:.0f}M trainable, {n_tokens} tok/step, TTT {cfg.ttt_steps}")
-            batch = synthetic_batch(target, n_tokens, layout, cfg.ttt_steps, seed=n_tokens).to(device)
+            size = (
+                f"{name}: hidden {dcfg.hidden_size}, {dcfg.num_attention_heads} heads, "
+                f"{trainable:.0f}M trainable, {n_tokens} tok/step, TTT {cfg.ttt_steps}"
+            )
+            batch = synthetic_batch(target, n_tokens, layout, cfg.ttt_steps, seed=n_tokens).to(
+                device
+            )
             reset_peak(device)
             try:
                 for i in range(args.warmup):
@@ -208,16 +281,29 @@ def run_draft(args, device: torch.device) -> list[dict]:
                 sync(device)
                 seconds = (time.perf_counter() - t0) / args.steps
             except torch.OutOfMemoryError:
-                rows.append({"check": "draft training", "size": size, "figure": "out of memory",
-                             "peak_gib": peak_gib(device)})
+                rows.append(
+                    {
+                        "check": "draft training",
+                        "size": size,
+                        "figure": "out of memory",
+                        "peak_gib": peak_gib(device),
+                    }
+                )
                 optim.zero_grad(set_to_none=True)
                 del batch
                 reset_peak(device)
                 continue
-            rows.append({"check": "draft training", "size": size,
-                         "figure": (f"{n_tokens / seconds:,.0f} tok/s, {seconds * 1000:.0f} ms/step, "
-                                    f"loss {loss.item():.3f}"),
-                         "peak_gib": peak_gib(device)})
+            rows.append(
+                {
+                    "check": "draft training",
+                    "size": size,
+                    "figure": (
+                        f"{n_tokens / seconds:,.0f} tok/s, {seconds * 1000:.0f} ms/step, "
+                        f"loss {loss.item():.3f}"
+                    ),
+                    "peak_gib": peak_gib(device),
+                }
+            )
             del batch
         del model, head, optim, params
     return rows
@@ -228,7 +314,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--small", action="store_true", help="tiny sizes: a smoke run for any device")
     ap.add_argument("--ref-samples", type=int, default=8)
-    ap.add_argument("--ref-length", type=int, default=1024, help="longest reference sample (tokens)")
+    ap.add_argument(
+        "--ref-length", type=int, default=1024, help="longest reference sample (tokens)"
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed draft-training steps per case")
     ap.add_argument("--skip-reference", action="store_true")
@@ -241,9 +329,17 @@ def main(argv=None) -> int:
     if args.small:
         args.warmup, args.steps = 1, 1
         if device.type == "cpu":
-            torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared machine
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {device} ({name}); torch {torch.__version__}; {'small' if args.small else 'full'} sizes")
+            torch.set_num_threads(
+                1
+            )  # tiny tensors: threads only add contention on a shared machine
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    print(
+        f"device: {device} ({name}); torch {torch.__version__}; {'small' if args.small else 'full'} sizes"
+    )
     t_start = time.perf_counter()
     rows = []
     if not args.skip_reference:

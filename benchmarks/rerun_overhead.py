@@ -29,10 +29,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from eagleflow.fingerprint import config_fingerprint  # noqa: E402
-from eagleflow.safetensors_stream import StreamingWriter  # noqa: E402
-from eagleflow.shards import TokenShard, write_token_shard  # noqa: E402
-from eagleflow.tiny_target import build_tiny_target  # noqa: E402
+from eagleflow.data.shards import TokenShard, write_token_shard  # noqa: E402
+from eagleflow.extract.fingerprint import config_fingerprint  # noqa: E402
+from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
+from eagleflow.store.stream import StreamingWriter  # noqa: E402
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
@@ -42,8 +42,17 @@ def build(workdir: Path, n_shards: int, target: Path) -> Path:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
     data = workdir / "data.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    data.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            }
+        )
+        + "\n"
+    )
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"]["path"] = str(target)
     config["data"]["path"] = str(data)
@@ -63,35 +72,70 @@ def build(workdir: Path, n_shards: int, target: Path) -> Path:
     rows, summary = [], []
     input_ids = torch.arange(8, dtype=torch.int64)
     for shard_id in ids:
-        shard = TokenShard(shard_id, [shard_id], input_ids.numpy(), torch.ones(8, dtype=torch.uint8).numpy(),
-                           torch.tensor([0, 8]).numpy())
+        shard = TokenShard(
+            shard_id,
+            [shard_id],
+            input_ids.numpy(),
+            torch.ones(8, dtype=torch.uint8).numpy(),
+            torch.tensor([0, 8]).numpy(),
+        )
         write_token_shard(shard, tokens_dir / f"{shard_id}.safetensors")
-        rows.append({"sample_id": shard_id, "shard_id": shard_id, "n_tokens": 8, "n_loss_tokens": 8,
-                     "source_file": str(data), "source_row": len(rows) + 1})
+        rows.append(
+            {
+                "sample_id": shard_id,
+                "shard_id": shard_id,
+                "n_tokens": 8,
+                "n_loss_tokens": 8,
+                "source_file": str(data),
+                "source_row": len(rows) + 1,
+            }
+        )
     (results / "shards" / "rejects.jsonl").write_text("")
     pd.DataFrame(rows).to_parquet(results / "shards" / "manifest.parquet", index=False)
     (hidden / "fingerprint.json").write_text(json.dumps(record))
     (hidden / "validate_env.json").write_text("{}")
-    (hidden / "capture_plan.json").write_text(json.dumps({"layer_ids": layer_ids, "strategy": "aux_layers",
-                                                          "hidden_size": 16, "fingerprint": fp}))
+    (hidden / "capture_plan.json").write_text(
+        json.dumps(
+            {"layer_ids": layer_ids, "strategy": "aux_layers", "hidden_size": 16, "fingerprint": fp}
+        )
+    )
     for shard_id in ids:
         meta = {"fingerprint": fp, "shard_id": shard_id, "layer_ids": json.dumps(layer_ids)}
-        w = StreamingWriter(hidden / f"{shard_id}.safetensors",
-                            [("hidden_states", torch.bfloat16, (8, 4, 16)), ("input_ids", torch.int64, (8,))], meta)
+        w = StreamingWriter(
+            hidden / f"{shard_id}.safetensors",
+            [("hidden_states", torch.bfloat16, (8, 4, 16)), ("input_ids", torch.int64, (8,))],
+            meta,
+        )
         w.write("hidden_states", torch.ones(8, 4, 16, dtype=torch.bfloat16))
         w.write("input_ids", input_ids)
         sha, size = w.close()
-        rec = {"shard_id": shard_id, "sha256": sha, "bytes": size, "n_tokens": 8, "tokens_per_second": 1.0}
+        rec = {
+            "shard_id": shard_id,
+            "sha256": sha,
+            "bytes": size,
+            "n_tokens": 8,
+            "tokens_per_second": 1.0,
+        }
         (hidden / f"{shard_id}.json").write_text(json.dumps(rec))
-        (hidden / f"{shard_id}.verify.json").write_text(json.dumps({"shard_id": shard_id, "ok": True}))
+        (hidden / f"{shard_id}.verify.json").write_text(
+            json.dumps({"shard_id": shard_id, "ok": True})
+        )
         summary.append(rec)
     pd.DataFrame(summary).to_csv(hidden / "verify_summary.tsv", sep="\t", index=False)
     pd.DataFrame(summary).to_parquet(hidden / "manifest.parquet", index=False)
     # Outputs newer than their inputs, as after a real run.
     t = time.time() - 3600
-    order = [data, *target.iterdir(), *tokens_dir.iterdir(), tokens_dir, results / "shards" / "manifest.parquet",
-             results / "shards" / "rejects.jsonl", hidden / "fingerprint.json", hidden / "validate_env.json",
-             hidden / "capture_plan.json"]
+    order = [
+        data,
+        *target.iterdir(),
+        *tokens_dir.iterdir(),
+        tokens_dir,
+        results / "shards" / "manifest.parquet",
+        results / "shards" / "rejects.jsonl",
+        hidden / "fingerprint.json",
+        hidden / "validate_env.json",
+        hidden / "capture_plan.json",
+    ]
     for i, p in enumerate(order):
         os.utime(p, (t + i * 1e-3, t + i * 1e-3))
     for suffix, step in ((".safetensors", 10), (".json", 10), (".verify.json", 20)):
@@ -103,8 +147,18 @@ def build(workdir: Path, n_shards: int, target: Path) -> Path:
 
 
 def time_noop(workdir: Path) -> float:
-    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(workdir / "config.yaml"), "--cores", "1", "extract"]
+    cmd = [
+        SNAKEMAKE,
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(workdir / "config.yaml"),
+        "--cores",
+        "1",
+        "extract",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
@@ -122,7 +176,7 @@ def main():
     args = ap.parse_args()
     target = args.workdir / "target"
     if not (target / "config.json").exists():
-        from eagleflow.bundled_data import generate_conversations
+        from eagleflow.fixtures.bundled_data import generate_conversations
 
         rows = generate_conversations(200)
         build_tiny_target([m["content"] for r in rows for m in r["messages"]], target)
@@ -132,8 +186,10 @@ def main():
         times = sorted(time_noop(work) for _ in range(args.repeats))
         best = times[0]
         per_1000 = best / n * 1000
-        print(f"{n} shards: no-op rerun decision {best:.2f} s (runs: {', '.join(f'{x:.2f}' for x in times)}), "
-              f"{per_1000:.2f} s per 1,000 shards")
+        print(
+            f"{n} shards: no-op rerun decision {best:.2f} s (runs: {', '.join(f'{x:.2f}' for x in times)}), "
+            f"{per_1000:.2f} s per 1,000 shards"
+        )
     print(f"seconds_per_1000_shards={per_1000:.3f}")
 
 

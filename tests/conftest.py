@@ -8,8 +8,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from eagleflow.bundled_data import generate_conversations
-    from eagleflow.tiny_target import train_tokenizer
+    from eagleflow.fixtures.bundled_data import generate_conversations
+    from eagleflow.fixtures.tiny_target import train_tokenizer
 
     rows = generate_conversations(300, seed=1)
     return train_tokenizer([m["content"] for r in rows for m in r["messages"]], vocab_size=512)
@@ -35,7 +35,7 @@ def extracted_workdir(tmp_path_factory):
     that only read it; tests that change it work on a copy (`copy_workdir`)."""
     import time
 
-    from workflow_runner import SMALL, snakemake
+    from support.workflow_runner import SMALL, snakemake
 
     workdir = tmp_path_factory.mktemp("run")
     t0 = time.time()

@@ -4,14 +4,19 @@ Decisions are read from Snakemake's own dry-run job table, so these tests are ex
 the append case is also run for real."""
 
 import json
-import os
-import shutil
 
 import pandas as pd
 import pytest
 
-from eagleflow.headers import read_header
-from workflow_runner import SMALL, copy_workdir, hidden_dir, job_counts, snakemake, started_jobs
+from eagleflow.store.headers import read_header
+from support.workflow_runner import (
+    SMALL,
+    copy_workdir,
+    hidden_dir,
+    job_counts,
+    snakemake,
+    started_jobs,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -59,7 +64,9 @@ def test_editing_one_sample_re_extracts_only_its_shard(extracted_workdir, tmp_pa
     assert counts["extract_shard"] == 1, out[-3000:]
 
 
-def test_changing_layer_ids_extracts_into_a_new_fingerprint_and_keeps_the_old(extracted_workdir, tmp_path):
+def test_changing_layer_ids_extracts_into_a_new_fingerprint_and_keeps_the_old(
+    extracted_workdir, tmp_path
+):
     work = copy_workdir(extracted_workdir, tmp_path / "w")
     old = hidden_dir(work)
     before = sorted(p.name for p in old.iterdir())
@@ -69,7 +76,7 @@ def test_changing_layer_ids_extracts_into_a_new_fingerprint_and_keeps_the_old(ex
 
 
 def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_path):
-    from eagleflow.bundled_data import generate_conversations
+    from eagleflow.fixtures.bundled_data import generate_conversations
 
     work = copy_workdir(extracted_workdir, tmp_path / "w")
     new = [{**r, "id": f"appended-{i}"} for i, r in enumerate(generate_conversations(100, seed=7))]
@@ -80,7 +87,9 @@ def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_pa
     old = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in fp_dir.glob("*.safetensors")}
     proc = snakemake(work, "extract", config=config)
     started = started_jobs(proc.stdout + proc.stderr)
-    assert started["shard"] == 1 and started["extract_shard"] == 1 and started["verify_summary"] == 1, started
+    assert (
+        started["shard"] == 1 and started["extract_shard"] == 1 and started["verify_summary"] == 1
+    ), started
     new = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in fp_dir.glob("*.safetensors")}
     assert len(new) == 5 and all(new[name] == stat for name, stat in old.items())
     assert pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")["ok"].all()
@@ -113,7 +122,10 @@ def test_verify_deep_names_a_flipped_byte(extracted_workdir, tmp_path):
         b = f.read(1)
         f.seek(start + 12345)
         f.write(bytes([b[0] ^ 0x01]))
-    assert job_counts(snakemake(work, "-n", "extract", config=SMALL).stdout).get("extract_shard", 0) == 0
+    assert (
+        job_counts(snakemake(work, "-n", "extract", config=SMALL).stdout).get("extract_shard", 0)
+        == 0
+    )
     proc = snakemake(work, "verify_deep", config=SMALL, check=False)
     assert proc.returncode != 0
     log = (work / "results" / "logs" / "verify_deep.log").read_text()

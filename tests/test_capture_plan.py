@@ -1,12 +1,25 @@
 import pytest
 
-from eagleflow.capture import ARCHITECTURES, ArchSpec, CaptureCheckError, check_plan, introspect, make_plan
-from eagleflow.layers import default_layer_ids, resolve_layer_ids
-from eagleflow.target import read_target
+from eagleflow.capture.plan import (
+    ARCHITECTURES,
+    ArchSpec,
+    CaptureCheckError,
+    check_plan,
+    introspect,
+    make_plan,
+)
+from eagleflow.target.info import read_target
+from eagleflow.target.layers import default_layer_ids, resolve_layer_ids
 
 DEEPSEEK = ARCHITECTURES["DeepseekV3ForCausalLM"]
-FAKE_OLD = ArchSpec("fake_vllm_models", "OldForCausalLM", "OldModel", "OldDecoderLayer",
-                    DEEPSEEK.layer_params, False)
+FAKE_OLD = ArchSpec(
+    "support.fake_vllm_models",
+    "OldForCausalLM",
+    "OldModel",
+    "OldDecoderLayer",
+    DEEPSEEK.layer_params,
+    False,
+)
 
 
 def test_layer_ids_default_and_conventions():
@@ -24,14 +37,21 @@ def test_installed_vllm_offers_aux_capture_for_deepseek():
     found = introspect(DEEPSEEK)
     assert found["has_aux_interface"] and found["aux_captures_final"]
     assert found["embedding_method"] == "embed_input_ids"
-    assert found["layer_call_signature"][:4] == ["positions", "hidden_states", "residual", "llama_4_scaling"]
+    assert found["layer_call_signature"][:4] == [
+        "positions",
+        "hidden_states",
+        "residual",
+        "llama_4_scaling",
+    ]
     assert check_plan("patched_forward", found, [2, 4, 5, 8], 8, DEEPSEEK)
 
 
 def test_auto_picks_aux_layers_and_falls_back_for_id_zero(tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text('{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, '
-                   '"hidden_size": 256, "vocab_size": 1024, "kv_lora_rank": 512}')
+    cfg.write_text(
+        '{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, '
+        '"hidden_size": 256, "vocab_size": 1024, "kv_lora_rank": 512}'
+    )
     info = read_target(tmp_path)
     assert make_plan(info, [2, 4, 5, 8], "auto")["strategy"] == "aux_layers"
     # vLLM's DeepseekV2Model sums hidden + residual, and the residual is None before layer 0.
@@ -55,22 +75,32 @@ def test_old_vllm_signature_mismatch_names_version_class_and_signatures():
 
 
 def test_reordered_parameters_are_a_mismatch():
-    spec = ArchSpec("fake_vllm_models", "OldForCausalLM", "OldModel", "KeywordOnlyDecoderLayer",
-                    DEEPSEEK.layer_params, False)
+    spec = ArchSpec(
+        "support.fake_vllm_models",
+        "OldForCausalLM",
+        "OldModel",
+        "KeywordOnlyDecoderLayer",
+        DEEPSEEK.layer_params,
+        False,
+    )
     with pytest.raises(CaptureCheckError, match=r"found \(hidden_states, positions"):
         check_plan("patched_forward", introspect(spec), [2], 8, DEEPSEEK)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 2, '
-                                          '"hidden_size": 8, "vocab_size": 10}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 2, '
+        '"hidden_size": 8, "vocab_size": 10}'
+    )
     with pytest.raises(CaptureCheckError, match="GPT2LMHeadModel has no capture adapter"):
         make_plan(read_target(tmp_path), [1], "auto")
 
 
 def test_dense_models_use_their_own_aux_interface_only(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, '
-                                          '"hidden_size": 64, "vocab_size": 100}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, '
+        '"hidden_size": 64, "vocab_size": 100}'
+    )
     info = read_target(tmp_path)
     assert make_plan(info, [0, 2, 4, 8], "auto")["strategy"] == "aux_layers"
     with pytest.raises(CaptureCheckError, match="DeepseekV2-family"):
@@ -79,12 +109,18 @@ def test_dense_models_use_their_own_aux_interface_only(tmp_path):
 
 # vLLM's own extract_hidden_states strategy: refused before any weights load wherever it cannot work.
 
-LLAMA_CFG = ('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
-             '"vocab_size": 100}')
-QWEN3_CFG = ('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
-             '"vocab_size": 100, "head_dim": 16}')
-DEEPSEEK_CFG = ('{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 256, '
-                '"vocab_size": 1024, "kv_lora_rank": 512}')
+LLAMA_CFG = (
+    '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
+    '"vocab_size": 100}'
+)
+QWEN3_CFG = (
+    '{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '
+    '"vocab_size": 100, "head_dim": 16}'
+)
+DEEPSEEK_CFG = (
+    '{"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 256, '
+    '"vocab_size": 1024, "kv_lora_rank": 512}'
+)
 
 
 def _target(tmp_path, cfg):
@@ -97,7 +133,9 @@ def test_extract_hidden_states_plans_on_cuda_for_dense_targets(tmp_path, cfg):
     info = _target(tmp_path, cfg)
     plan = make_plan(info, [0, 2, 4, 8], "extract_hidden_states", device="cuda")
     assert plan["strategy"] == "extract_hidden_states" and plan["device"] == "cuda"
-    assert plan["ehs_file_keys"] == ["hidden_states", "token_ids"] and plan["ehs_connector_registered"]
+    assert (
+        plan["ehs_file_keys"] == ["hidden_states", "token_ids"] and plan["ehs_connector_registered"]
+    )
     assert any("device is cuda" in c for c in plan["checks_passed"])
     assert any("id 8 (final pre-norm state)" in c for c in plan["checks_passed"])
     # auto never picks it, whatever the device.
@@ -105,16 +143,22 @@ def test_extract_hidden_states_plans_on_cuda_for_dense_targets(tmp_path, cfg):
 
 
 def test_extract_hidden_states_engine_settings_follow_the_plan(tmp_path):
-    from eagleflow.hidden_states_connector import engine_kwargs, strategy_engine_kwargs
+    from eagleflow.capture.connector import engine_kwargs, strategy_engine_kwargs
 
-    plan = make_plan(_target(tmp_path, LLAMA_CFG), [2, 4, 8], "extract_hidden_states", device="cuda")
+    plan = make_plan(
+        _target(tmp_path, LLAMA_CFG), [2, 4, 8], "extract_hidden_states", device="cuda"
+    )
     kw = strategy_engine_kwargs(plan, tmp_path / "conn")
     assert kw == engine_kwargs(plan, tmp_path / "conn")
     assert kw["speculative_config"] == {
-        "method": "extract_hidden_states", "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}}}
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}},
+    }
     assert kw["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
-    assert kw["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "conn")
+    assert kw["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] == str(
+        tmp_path / "conn"
+    )
     assert kw["enable_chunked_prefill"] is False and kw["enable_prefix_caching"] is False
     # vLLM itself accepts these settings (config objects only, no model load).
     from vllm.config import KVTransferConfig
@@ -127,19 +171,27 @@ def test_extract_hidden_states_refused_on_cpu_naming_version_reason_and_remedy(t
     with pytest.raises(CaptureCheckError) as e:
         make_plan(_target(tmp_path, LLAMA_CFG), [2, 4, 8], "extract_hidden_states", device="cpu")
     msg = str(e.value)
-    assert msg.startswith("vLLM 0.32.0: capture.strategy extract_hidden_states: extract.device is 'cpu'")
+    assert msg.startswith(
+        "vLLM 0.32.0: capture.strategy extract_hidden_states: extract.device is 'cpu'"
+    )
     assert "pinned memory on a CUDA stream" in msg and "capture.strategy: auto" in msg
 
 
 def test_extract_hidden_states_refused_for_mla_targets(tmp_path):
-    with pytest.raises(CaptureCheckError, match=r"vLLM 0\.32\.0: .*the target uses MLA.*MLA verifiers are "
-                                                r"unsupported.*capture.strategy: auto"):
-        make_plan(_target(tmp_path, DEEPSEEK_CFG), [2, 4, 8], "extract_hidden_states", device="cuda")
+    with pytest.raises(
+        CaptureCheckError,
+        match=r"vLLM 0\.32\.0: .*the target uses MLA.*MLA verifiers are "
+        r"unsupported.*capture.strategy: auto",
+    ):
+        make_plan(
+            _target(tmp_path, DEEPSEEK_CFG), [2, 4, 8], "extract_hidden_states", device="cuda"
+        )
 
 
 def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
-    from test_target import KIMI_K25
     import json
+
+    from test_target import KIMI_K25
 
     info = _target(tmp_path, json.dumps(KIMI_K25))
     assert info.wrapper and info.is_mla
@@ -149,18 +201,34 @@ def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
     # wrapper class vLLM loads, checked to delegate to its language_model.
     plan = make_plan(info, [2, 30, 58, 61], "auto", device="cuda")
     assert plan["strategy"] == "aux_layers" and plan["num_hidden_layers"] == 61
-    assert plan["model_class"].endswith("DeepseekV3ForCausalLM") and plan["wrapper"] == "KimiK25ForConditionalGeneration"
-    assert plan["wrapper_class"] == "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"
-    assert any("set_aux_hidden_state_layers delegates to language_model" in c for c in plan["checks_passed"])
+    assert (
+        plan["model_class"].endswith("DeepseekV3ForCausalLM")
+        and plan["wrapper"] == "KimiK25ForConditionalGeneration"
+    )
+    assert (
+        plan["wrapper_class"]
+        == "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"
+    )
+    assert any(
+        "set_aux_hidden_state_layers delegates to language_model" in c
+        for c in plan["checks_passed"]
+    )
     assert make_plan(info, [0, 30, 61], "auto", device="cuda")["strategy"] == "patched_forward"
 
 
 def test_a_wrapper_that_does_not_delegate_is_refused(monkeypatch):
-    import eagleflow.capture as capture
+    import eagleflow.capture.plan as capture
 
-    monkeypatch.setitem(capture.WRAPPER_CLASSES, "KimiK25ForConditionalGeneration", ("fake_vllm_models", "NoDelegateWrapper"))
-    with pytest.raises(CaptureCheckError, match=r"vLLM 0\.32\.0: fake_vllm_models\.NoDelegateWrapper: expected .*"
-                                                r"found not: forward returns self\.language_model"):
+    monkeypatch.setitem(
+        capture.WRAPPER_CLASSES,
+        "KimiK25ForConditionalGeneration",
+        ("support.fake_vllm_models", "NoDelegateWrapper"),
+    )
+    with pytest.raises(
+        CaptureCheckError,
+        match=r"vLLM 0\.32\.0: support\.fake_vllm_models\.NoDelegateWrapper: expected .*"
+        r"found not: forward returns self\.language_model",
+    ):
         capture.introspect_wrapper("KimiK25ForConditionalGeneration")
     with pytest.raises(CaptureCheckError, match="no adapter"):
         capture.introspect_wrapper("SomeOtherForConditionalGeneration")
@@ -168,38 +236,50 @@ def test_a_wrapper_that_does_not_delegate_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("version", ["0.17.1", "0.31.2", "0.33.0", "1.0.0", "unknown"])
 def test_extract_hidden_states_refused_outside_the_version_range(version):
-    from eagleflow.capture import check_extract_hidden_states, introspect_extract_hidden_states
+    from eagleflow.capture.plan import check_extract_hidden_states, introspect_extract_hidden_states
 
     found = {**introspect_extract_hidden_states(), "vllm_version": version}
-    with pytest.raises(CaptureCheckError, match=rf"outside that range.*Install vLLM 0\.32\.x"):
+    with pytest.raises(CaptureCheckError, match=r"outside that range.*Install vLLM 0\.32\.x"):
         check_extract_hidden_states(found, "cuda", False)
     assert check_extract_hidden_states({**found, "vllm_version": "0.32.4"}, "cuda", False)
 
 
 def test_extract_hidden_states_refused_when_the_installed_code_differs():
-    from eagleflow.capture import check_extract_hidden_states, introspect_extract_hidden_states
+    from eagleflow.capture.plan import check_extract_hidden_states, introspect_extract_hidden_states
 
     found = introspect_extract_hidden_states()
     assert found["ehs_connector_needs_cuda"] and found["ehs_single_rank_finish"]
-    for change, what in [({"ehs_connector": None}, "ExampleHiddenStatesConnector is missing"),
-                         ({"ehs_file_keys": ["hidden_states"]}, r"writes keys \['hidden_states'\]"),
-                         ({"ehs_single_rank_finish": False}, "get_finished_count")]:
+    for change, what in [
+        ({"ehs_connector": None}, "ExampleHiddenStatesConnector is missing"),
+        ({"ehs_file_keys": ["hidden_states"]}, r"writes keys \['hidden_states'\]"),
+        ({"ehs_single_rank_finish": False}, "get_finished_count"),
+    ]:
         with pytest.raises(CaptureCheckError, match=what):
             check_extract_hidden_states({**found, **change}, "cuda", False)
 
 
 def test_extract_hidden_states_keeps_the_aux_interface_limits(tmp_path):
     # vLLM hands the ids to DeepseekV2's set_aux_hidden_state_layers, which cannot capture id 0.
-    from eagleflow.capture import check_plan, introspect_extract_hidden_states
+    from eagleflow.capture.plan import check_plan, introspect_extract_hidden_states
 
     found = introspect(DEEPSEEK) | introspect_extract_hidden_states()
     with pytest.raises(CaptureCheckError, match="Drop id 0"):
-        check_plan("extract_hidden_states", found, [0, 4, 8], 8, DEEPSEEK, device="cuda", is_mla=False)
+        check_plan(
+            "extract_hidden_states", found, [0, 4, 8], 8, DEEPSEEK, device="cuda", is_mla=False
+        )
 
 
-QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 64,
-             "hidden_size": 5120, "intermediate_size": 25600, "num_attention_heads": 64,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "num_hidden_layers": 64,
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+}
 
 
 def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
@@ -210,7 +290,9 @@ def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
     from snakemake.utils import validate
 
     repo = Path(__file__).resolve().parents[1]
-    cfg = yaml.safe_load((repo / "config/examples/qwen3-32b-tp4-extract-hidden-states.yaml").read_text())
+    cfg = yaml.safe_load(
+        (repo / "config/examples/qwen3-32b-tp4-extract-hidden-states.yaml").read_text()
+    )
     validate(cfg, str(repo / "workflow/schemas/config.schema.yaml"))
     info = _target(tmp_path, json.dumps(QWEN3_32B))
     cap = cfg["capture"]
@@ -240,15 +322,26 @@ def test_patch_script_passes_the_configured_device(tmp_path):
     def run(device):
         log, out = tmp_path / f"{device}.log", tmp_path / f"{device}-plan.json"
         sm = SimpleNamespace(
-            params=SimpleNamespace(target=str(target), capture={"layer_ids": None, "layer_id_convention": "vllm",
-                                                                "strategy": "extract_hidden_states"}),
-            config={"extract": {"device": device}}, wildcards=SimpleNamespace(fp="fp0"), log=[str(log)],
-            output=[str(out)])
+            params=SimpleNamespace(
+                target=str(target),
+                capture={
+                    "layer_ids": None,
+                    "layer_id_convention": "vllm",
+                    "strategy": "extract_hidden_states",
+                },
+            ),
+            config={"extract": {"device": device}},
+            wildcards=SimpleNamespace(fp="fp0"),
+            log=[str(log)],
+            output=[str(out)],
+        )
         runpy.run_path(str(repo / "workflow/scripts/patch.py"), init_globals={"snakemake": sm})
         return log, out
 
-    with pytest.raises(CaptureCheckError, match="vLLM 0.32.0: capture.strategy extract_hidden_states: "
-                                                "extract.device is 'cpu'"):
+    with pytest.raises(
+        CaptureCheckError,
+        match="vLLM 0.32.0: capture.strategy extract_hidden_states: extract.device is 'cpu'",
+    ):
         run("cpu")
     assert not (tmp_path / "cpu-plan.json").exists()
     _, out = run("cuda")

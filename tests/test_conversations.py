@@ -2,11 +2,14 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import write_jsonl
-from eagleflow.conversations import DatasetError, normalize_messages, read_conversations
 
-OPENAI = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+from eagleflow.data.conversations import DatasetError, normalize_messages, read_conversations
+
+OPENAI = {
+    "id": "a",
+    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+}
 SHAREGPT = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
 
 
@@ -15,24 +18,40 @@ def test_openai_and_sharegpt_normalize_to_the_same_messages():
     assert normalize_messages(SHAREGPT)[1] == {"role": "assistant", "content": "hello"}
 
 
-@pytest.mark.parametrize("row, reason", [
-    ({"messages": []}, "empty conversation"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
-    ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role 'robot'"),
-    ({"conversations": [{"from": "alien", "value": "hi"}]}, "unknown role 'alien'"),
-    ({"text": "hi"}, "no `messages`"),
-])
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"messages": []}, "empty conversation"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+        (
+            {
+                "messages": [
+                    {"role": "robot", "content": "hi"},
+                    {"role": "assistant", "content": "x"},
+                ]
+            },
+            "unknown role 'robot'",
+        ),
+        ({"conversations": [{"from": "alien", "value": "hi"}]}, "unknown role 'alien'"),
+        ({"text": "hi"}, "no `messages`"),
+    ],
+)
 def test_bad_rows_are_named_with_their_reason(row, reason):
     with pytest.raises(ValueError, match=reason):
         normalize_messages(row)
 
 
 def test_jsonl_bad_rows_keep_file_and_line(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [OPENAI, "{not json", {"messages": []}, SHAREGPT, {**OPENAI}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [OPENAI, "{not json", {"messages": []}, SHAREGPT, {**OPENAI}]
+    )
     good, bad = read_conversations(path)
     assert [c.source_row for c in good] == [1, 4]
     assert [(b.source_row, b.reason.split(" (")[0]) for b in bad] == [
-        (2, "malformed JSON"), (3, "empty conversation"), (5, "duplicate sample id 'a'")]
+        (2, "malformed JSON"),
+        (3, "empty conversation"),
+        (5, "duplicate sample id 'a'"),
+    ]
     assert str(path) in bad[0].message() and "row 2" in bad[0].message()
 
 

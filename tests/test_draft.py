@@ -16,11 +16,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleflow.draft_data import load_pack, make_packs, read_layout
-from eagleflow.draft_model import DraftConfig, Eagle3Draft
-from eagleflow.draft_vocab import build_draft_vocab, coverage, load_vocab, save_vocab, vocab_from_counts
-from eagleflow.export_draft import export_draft
-from eagleflow.train_draft import TrainConfig, load_trained, train
+from eagleflow.draft.data import load_pack, make_packs, read_layout
+from eagleflow.draft.export import export_draft
+from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.train import TrainConfig, load_trained, train
+from eagleflow.draft.vocab import (
+    build_draft_vocab,
+    coverage,
+    load_vocab,
+    save_vocab,
+    vocab_from_counts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
@@ -29,19 +35,30 @@ LAYER_IDS = [1, 2, 3, L]
 
 # ---------------------------------------------------------------- fixtures: tiny target + shards
 
+
 def write_target(d: Path, seed=0) -> Path:
     g = torch.Generator().manual_seed(seed)
     d.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-              "hidden_size": H, "vocab_size": V, "num_hidden_layers": L, "intermediate_size": 64,
-              "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_hidden_layers": L,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+    }
     (d / "config.json").write_text(json.dumps(config))
-    save_file({
-        "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
-        "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
-        "lm_head.weight": torch.randn(V, H, generator=g).bfloat16(),
-        "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2).bfloat16(),  # never read
-    }, str(d / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
+            "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+            "lm_head.weight": torch.randn(V, H, generator=g).bfloat16(),
+            "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2).bfloat16(),  # never read
+        },
+        str(d / "model.safetensors"),
+    )
     return d
 
 
@@ -55,11 +72,22 @@ def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, voca
     mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
     table = torch.randn(V, len(layer_ids), H, generator=torch.Generator().manual_seed(99))
     hidden = table[ids] + 0.05 * torch.randn(n, len(layer_ids), H, generator=g)
-    save_file({"hidden_states": hidden.bfloat16(), "input_ids": ids, "loss_mask": mask,
-               "offsets": offsets}, str(path), metadata={
-        "layer_ids": json.dumps(layer_ids), "layer_id_convention": "vllm",
-        "format": "eagleflow-hidden-v1", "fingerprint": "0" * 16,
-        "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)])})
+    save_file(
+        {
+            "hidden_states": hidden.bfloat16(),
+            "input_ids": ids,
+            "loss_mask": mask,
+            "offsets": offsets,
+        },
+        str(path),
+        metadata={
+            "layer_ids": json.dumps(layer_ids),
+            "layer_id_convention": "vllm",
+            "format": "eagleflow-hidden-v1",
+            "fingerprint": "0" * 16,
+            "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)]),
+        },
+    )
     return path
 
 
@@ -71,6 +99,7 @@ def tiny(tmp_path):
 
 
 # ---------------------------------------------------------------- vocabulary
+
 
 def test_vocab_picks_most_frequent_and_maps_round_trip():
     counts = torch.tensor([0, 5, 1, 9, 0, 9, 2, 0])
@@ -88,8 +117,15 @@ def test_vocab_picks_most_frequent_and_maps_round_trip():
 
 def test_vocab_counts_only_loss_masked_tokens(tmp_path):
     p = tmp_path / "s.safetensors"
-    save_file({"input_ids": torch.tensor([7, 7, 7, 3, 3, 1]), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8),
-               "hidden_states": torch.zeros(6, 1, 2), "offsets": torch.tensor([0, 6])}, str(p))
+    save_file(
+        {
+            "input_ids": torch.tensor([7, 7, 7, 3, 3, 1]),
+            "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8),
+            "hidden_states": torch.zeros(6, 1, 2),
+            "offsets": torch.tensor([0, 6]),
+        },
+        str(p),
+    )
     v = build_draft_vocab([p], 8, 2)
     assert v.target_ids.tolist() == [1, 3]  # 7 is frequent but never loss-masked
     assert v.coverage == 1.0 and v.masked_tokens == 3
@@ -101,9 +137,18 @@ def test_vocab_counts_only_loss_masked_tokens(tmp_path):
 
 # ---------------------------------------------------------------- draft model
 
+
 def small_draft(num_aux=3, dv=16):
-    cfg = DraftConfig(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, vocab_size=V, draft_vocab_size=dv, num_aux=num_aux)
+    cfg = DraftConfig(
+        hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        draft_vocab_size=dv,
+        num_aux=num_aux,
+    )
     torch.manual_seed(0)
     return Eagle3Draft(cfg)
 
@@ -111,8 +156,13 @@ def small_draft(num_aux=3, dv=16):
 def test_draft_forward_shapes_and_frozen_embedding():
     m = small_draft()
     n, steps = 10, 3
-    logits = m(torch.randn(n, 3 * H), torch.randint(0, V, (steps, n)), torch.arange(n) + 1,
-               torch.tensor([0] * 6 + [1] * 4), steps)
+    logits = m(
+        torch.randn(n, 3 * H),
+        torch.randint(0, V, (steps, n)),
+        torch.arange(n) + 1,
+        torch.tensor([0] * 6 + [1] * 4),
+        steps,
+    )
     assert len(logits) == steps and all(lg.shape == (n, 16) for lg in logits)
     assert m.layers[0].self_attn.q_proj.weight.shape == (4 * 8, 2 * H)  # reads cat(embed, hidden)
     assert m.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 2 * H)
@@ -146,7 +196,11 @@ def test_batch_alignment_matches_speculators_shift(tiny):
     pack = make_packs(layout.paths, 10_000)[0]
     b = load_pack(layout, pack, 3)
     with safe_open(str(shards[0]), framework="pt") as f:
-        ids, mask, offsets = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
+        ids, mask, offsets = (
+            f.get_tensor("input_ids"),
+            f.get_tensor("loss_mask"),
+            f.get_tensor("offsets"),
+        )
         hidden = f.get_tensor("hidden_states").float()
     end0 = int(offsets[1])
     t = 2  # an anchor inside sample 0
@@ -161,11 +215,20 @@ def test_batch_alignment_matches_speculators_shift(tiny):
 
 # ---------------------------------------------------------------- training
 
+
 def run_train(tiny, out, steps, stop_after=None, ckpt_every=4, seed=0, lr=3e-3):
     target, shards = tiny
     vocab = build_draft_vocab(shards, V, 48)
-    cfg = TrainConfig(steps=steps, ttt_steps=3, lr=lr, warmup_steps=2, max_tokens=64,
-                      ckpt_every=ckpt_every, seed=seed, device="cpu")
+    cfg = TrainConfig(
+        steps=steps,
+        ttt_steps=3,
+        lr=lr,
+        warmup_steps=2,
+        max_tokens=64,
+        ckpt_every=ckpt_every,
+        seed=seed,
+        device="cpu",
+    )
     overrides = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     return train(shards, target, vocab, out, cfg, overrides, stop_after=stop_after)
 
@@ -210,12 +273,22 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
 # What vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a one-layer llama draft
 # with a pruned vocabulary (speculators names; `model.` is prepended, q/k/v and gate/up stacked).
 VLLM_EAGLE3_NAMES = {
-    "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-    "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+    "embed_tokens.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
     "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
-    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
 }
 
 
@@ -231,7 +304,9 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
     assert on_disk["speculators_model_type"] == "eagle3"
     assert on_disk["draft_vocab_size"] == 48 and on_disk["target_hidden_size"] == H
     assert on_disk["speculators_config"]["verifier"] == {
-        "name_or_path": str(target), "architectures": ["DeepseekV3ForCausalLM"]}
+        "name_or_path": str(target),
+        "architectures": ["DeepseekV3ForCausalLM"],
+    }
     assert on_disk["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     tl = on_disk["transformer_layer_config"]
     assert tl["model_type"] == "llama" and tl["num_hidden_layers"] == 1 and tl["vocab_size"] == V
@@ -247,7 +322,9 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
     # vLLM's own config translation sees an Eagle3 llama draft with these ids
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    hf = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads((out / "config.json").read_text()))
+    hf = SpeculatorsConfig.extract_transformers_pre_trained_config(
+        json.loads((out / "config.json").read_text())
+    )
     assert hf["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and hf["draft_vocab_size"] == 48
 
@@ -268,29 +345,56 @@ def test_export_refuses_disagreeing_shards_or_ids(tiny, tmp_path):
 
 # ---------------------------------------------------------------- vLLM loads the export
 
+
 @pytest.mark.vllm
 def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, tmp_path):
     """`snakemake` (rule all) on a copy of the extracted small default: no re-extraction; the
     draft vocabulary, a short training run, the export, and `evaluate`, which loads target +
     exported draft in vLLM (method eagle3) on held-out prompts and runs the reference loop;
     then `--report` holds the training curves, the acceptance plot and the verification table."""
-    from eagleflow.heldout import is_heldout
-    from workflow_runner import SMALL, copy_workdir, hidden_dir, job_counts, merged, snakemake
+    from eagleflow.data.heldout import is_heldout
+    from support.workflow_runner import (
+        SMALL,
+        copy_workdir,
+        hidden_dir,
+        job_counts,
+        merged,
+        snakemake,
+    )
 
     work = copy_workdir(extracted_workdir, tmp_path / "run")
-    config = merged(SMALL, {"draft": {"vocab_size": 256, "steps": 12, "ckpt_every": 6, "max_tokens": 512,
-                                      "warmup_steps": 2},
-                            "evaluate": {"num_prompts": 3, "max_tokens": 10, "speculative_tokens": 2,
-                                         "paths": ["vllm_eagle3", "reference"]}})
+    config = merged(
+        SMALL,
+        {
+            "draft": {
+                "vocab_size": 256,
+                "steps": 12,
+                "ckpt_every": 6,
+                "max_tokens": 512,
+                "warmup_steps": 2,
+            },
+            "evaluate": {
+                "num_prompts": 3,
+                "max_tokens": 10,
+                "speculative_tokens": 2,
+                "paths": ["vllm_eagle3", "reference"],
+            },
+        },
+    )
     proc = snakemake(work, config=config)
     counts = job_counts(proc.stdout + proc.stderr)
     assert "extract_shard" not in counts and "shard" not in counts, counts
-    assert all(counts.get(r) == 1 for r in ("draft_vocab", "train_draft", "export_draft", "evaluate")), counts
+    assert all(
+        counts.get(r) == 1 for r in ("draft_vocab", "train_draft", "export_draft", "evaluate")
+    ), counts
     fp = hidden_dir(work).name
     results = work / "results"
     layer_ids = json.loads((hidden_dir(work) / "capture_plan.json").read_text())["layer_ids"]
     export = json.loads((results / "draft" / fp / "export" / "config.json").read_text())
-    assert export["eagle_aux_hidden_state_layer_ids"] == layer_ids[:-1] and export["draft_vocab_size"] == 256
+    assert (
+        export["eagle_aux_hidden_state_layer_ids"] == layer_ids[:-1]
+        and export["draft_vocab_size"] == 256
+    )
     vocab = json.loads((results / "draft" / fp / "vocab.json").read_text())
     assert 0.5 < vocab["coverage"] <= 1 and 0 < vocab["heldout_coverage"] <= 1
     with open(results / "draft" / fp / "train" / "metrics.csv") as f:
@@ -302,7 +406,9 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, t
     assert eagle["num_drafts"] > 0 and len(eagle["num_accepted_tokens_per_pos"]) == 2
     assert 1 <= eagle["acceptance_length"] <= 3 and ref["num_drafts"] > 0
     agreement = eagle["greedy_agreement_with_reference"]
-    assert 0 <= agreement["identical_prompts"] <= 1 and 0 <= agreement["tokens_before_divergence"] <= 1
+    assert (
+        0 <= agreement["identical_prompts"] <= 1 and 0 <= agreement["tokens_before_divergence"] <= 1
+    )
     html = work / "report.html"
     snakemake(work, "--report", str(html), config=config)
     text = html.read_text(errors="replace")
@@ -310,7 +416,7 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, t
 
 
 def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
-    from eagleflow.acceptance import greedy_agreement
+    from eagleflow.draft.acceptance import greedy_agreement
 
     ref = [[5, 6, 7, 2], [8, 9, 2], [4, 2]]
     assert greedy_agreement(ref, ref) == {"identical_prompts": 1.0, "tokens_before_divergence": 1.0}
@@ -322,15 +428,25 @@ def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
 
 # ---------------------------------------------------------------- the draft's forward == vLLM's
 
+
 def perturbed_export(tiny, out, norm_before_residual, seed):
     """An exported draft with a pruned vocabulary and non-trivial weights everywhere (norms
     included), so every placement (hidden_norm, residual, fc order, d2t) shows."""
-    from eagleflow.train_draft import build_draft
+    from eagleflow.draft.train import build_draft
 
     target, shards = tiny
     vocab = build_draft_vocab(shards, V, 48)
-    draft = build_draft(target, vocab, 3, seed=seed, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, norm_before_residual=norm_before_residual)
+    draft = build_draft(
+        target,
+        vocab,
+        3,
+        seed=seed,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        norm_before_residual=norm_before_residual,
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -349,54 +465,83 @@ def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
     g = torch.Generator().manual_seed(7)
     aux = torch.randn(n, 3 * H, generator=g)
     seq = torch.randint(0, V, (n + steps,), generator=g)
-    tokens = torch.stack([seq[1 + k: 1 + k + n] for k in range(steps)])  # step k reads t+1+k
+    tokens = torch.stack([seq[1 + k : 1 + k + n] for k in range(steps)])  # step k reads t+1+k
     drafts, dirs = [], []
     for i, nbr in enumerate((True, False)):
         d = tmp_path / f"export{i}"
         drafts.append(perturbed_export(tiny, d, nbr, seed=i))
         dirs.append(str(d))
-    torch.save({"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
-               tmp_path / "inputs.pt")
+    torch.save(
+        {"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
+        tmp_path / "inputs.pt",
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_eagle3_reference.py"),
-                           str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), *dirs],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "support" / "vllm_eagle3_reference.py"),
+            str(tmp_path / "inputs.pt"),
+            str(tmp_path / "out.pt"),
+            *dirs,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = torch.load(tmp_path / "out.pt")
     for (draft, vocab), res, nbr in zip(drafts, results, (True, False)):
         assert res["norm_before_residual"] is nbr and res["draft_vocab_size"] == 48
         with torch.no_grad():  # eagleflow: positions of token t+1 (vLLM: t); RoPE is relative
-            ours = draft.ttt_forward(aux, tokens, torch.arange(n) + 1, torch.zeros(n, dtype=torch.long), steps)
+            ours = draft.ttt_forward(
+                aux, tokens, torch.arange(n) + 1, torch.zeros(n, dtype=torch.long), steps
+            )
         theirs = res["logits"]  # [steps, V], -inf outside the draft vocabulary
-        assert torch.isinf(theirs[:, ~vocab.t2d]).all() and torch.isfinite(theirs[:, vocab.t2d]).all()
+        assert (
+            torch.isinf(theirs[:, ~vocab.t2d]).all() and torch.isfinite(theirs[:, vocab.t2d]).all()
+        )
         for k in range(steps):
-            torch.testing.assert_close(theirs[k, vocab.target_ids], ours[k][-1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                theirs[k, vocab.target_ids], ours[k][-1], atol=1e-4, rtol=1e-4
+            )
         # and the greedy proposals agree (target ids)
-        assert (theirs.argmax(-1) == vocab.target_ids[torch.stack([o[-1] for o in ours]).argmax(-1)]).all()
+        assert (
+            theirs.argmax(-1) == vocab.target_ids[torch.stack([o[-1] for o in ours]).argmax(-1)]
+        ).all()
 
 
 # ---------------------------------------------------------------- held-out split and acceptance
 
-def test_heldout_split_is_by_content_hash_and_stable():
-    from eagleflow.conversations import Conversation
-    from eagleflow.heldout import heldout_prompts, is_heldout, split
 
-    convs = [Conversation(f"{i:016x}", ({"role": "user", "content": f"q{i}"},
-                                        {"role": "assistant", "content": f"a{i}"}), "f", i)
-             for i in range(2000)]
+def test_heldout_split_is_by_content_hash_and_stable():
+    from eagleflow.data.conversations import Conversation
+    from eagleflow.data.heldout import heldout_prompts, is_heldout, split
+
+    convs = [
+        Conversation(
+            f"{i:016x}",
+            ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}),
+            "f",
+            i,
+        )
+        for i in range(2000)
+    ]
     train_part, held = split(convs)
     assert 60 < len(held) < 140 and len(train_part) + len(held) == 2000  # about 1 in 20
     assert {c.sample_id for c in held} == {c.sample_id for c in convs if is_heldout(c.sample_id)}
     assert split(list(reversed(convs)))[1] == list(reversed(held))  # order does not matter
     p = heldout_prompts(convs, limit=3)
-    assert len(p) == 3 and p[0]["messages"] == [{"role": "user", "content": p[0]["messages"][0]["content"]}]
+    assert len(p) == 3 and p[0]["messages"] == [
+        {"role": "user", "content": p[0]["messages"][0]["content"]}
+    ]
     assert p[0]["reference"].startswith("a")
 
 
 def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
-    from eagleflow.draft_data import shard_metadata
-    from eagleflow.draft_vocab import count_masked_tokens
-    from eagleflow.heldout import excluder
+    from eagleflow.data.heldout import excluder
+    from eagleflow.draft.data import shard_metadata
+    from eagleflow.draft.vocab import count_masked_tokens
 
     _, shards = tiny
     exclude = excluder(4)
@@ -423,25 +568,33 @@ def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
 def test_reference_loop_counts_like_vllm(monkeypatch):
     """Counters of the reference loop: a target whose greedy next token is last+1, a draft
     proposing last+1, last+2 and a wrong third token: every draft run accepts exactly 2."""
-    import eagleflow.acceptance as acc
+    import eagleflow.draft.acceptance as acc
 
     def target(ids):
         return torch.tensor([(t + 1) % 1000 for t in ids]), torch.zeros(len(ids), 4)
 
-    monkeypatch.setattr(acc, "propose", lambda draft, aux, shifted, k: [int(shifted[-1]) + 1, int(shifted[-1]) + 2, 999])
-    r = acc.reference_acceptance(target, None, [{"prompt_token_ids": [5, 6, 7]}], k=3, max_tokens=10)
+    monkeypatch.setattr(
+        acc,
+        "propose",
+        lambda draft, aux, shifted, k: [int(shifted[-1]) + 1, int(shifted[-1]) + 2, 999],
+    )
+    r = acc.reference_acceptance(
+        target, None, [{"prompt_token_ids": [5, 6, 7]}], k=3, max_tokens=10
+    )
     # prefill gives 8; each run appends 2 drafts + the target's token: 8 | 9 10 11 | 12 13 14 | 15 16 17
     assert r["output_token_ids"] == [list(range(8, 18))]
     assert r["num_drafts"] == 3 and r["num_accepted_tokens"] == 6 and r["num_draft_tokens"] == 9
     assert r["num_accepted_tokens_per_pos"] == [3, 3, 0] and r["acceptance_length"] == 3.0
     # end of turn stops the loop, and tokens after it are dropped
-    r = acc.reference_acceptance(target, None, [{"prompt_token_ids": [5]}], k=3, max_tokens=10, eos_token_id=9)
+    r = acc.reference_acceptance(
+        target, None, [{"prompt_token_ids": [5]}], k=3, max_tokens=10, eos_token_id=9
+    )
     assert r["output_token_ids"] == [[6, 7, 8, 9]]
 
 
 def test_propose_and_load_export_round_trip(tiny, tmp_path):
     """The exported draft reloads as the same model; proposals are its greedy TTT tokens."""
-    from eagleflow.acceptance import load_export, plot, propose, summarize
+    from eagleflow.draft.acceptance import load_export, plot, propose, summarize
 
     draft, vocab = perturbed_export(tiny, tmp_path / "export", True, seed=3)
     back, cfg = load_export(tmp_path / "export")
@@ -455,10 +608,19 @@ def test_propose_and_load_export_round_trip(tiny, tmp_path):
     tokens = shifted.unsqueeze(0).repeat(3, 1)
     tokens[1, -1], tokens[2, -1] = proposals[0], proposals[1]
     with torch.no_grad():
-        logits = back.ttt_forward(aux, tokens, torch.arange(6) + 1, torch.zeros(6, dtype=torch.long), 3)
+        logits = back.ttt_forward(
+            aux, tokens, torch.arange(6) + 1, torch.zeros(6, dtype=torch.long), 3
+        )
     assert [int(vocab.target_ids[lg[-1].argmax()]) for lg in logits] == proposals
-    s = summarize({"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6,
-                   "num_accepted_tokens_per_pos": [3, 2, 1]}, 3)
+    s = summarize(
+        {
+            "num_drafts": 4,
+            "num_draft_tokens": 12,
+            "num_accepted_tokens": 6,
+            "num_accepted_tokens_per_pos": [3, 2, 1],
+        },
+        3,
+    )
     assert s["acceptance_length"] == 2.5 and s["acceptance_rate_per_pos"] == [0.75, 0.5, 0.25]
     plot({"reference": s, "vllm_eagle3": {"error": "exit 1"}}, 3, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").stat().st_size > 1000

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
-
 from test_target import DEEPSEEK_V3
-from workflow_runner import REPO, snakemake
+
+from support.workflow_runner import REPO, snakemake
 
 
 @pytest.fixture
@@ -23,7 +23,10 @@ def fake_deepseek_v3(tmp_path, tokenizer_dir):
     (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     for p in Path(tokenizer_dir).iterdir():
         shutil.copy(p, d / p.name)
-    save_file({"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)}, str(d / "model-00001-of-000163.safetensors"))
+    save_file(
+        {"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
+        str(d / "model-00001-of-000163.safetensors"),
+    )
     return d
 
 
@@ -31,8 +34,15 @@ def fake_deepseek_v3(tmp_path, tokenizer_dir):
 def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepseek_v3, tmp_path):
     cfg = yaml.safe_load((REPO / "config" / "examples" / example).read_text())
     data = tmp_path / "train.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
-                          {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}]} for i in range(50)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus 1?"},
+                {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."},
+            ]
+        }
+        for i in range(50)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     override = {"target": {"path": str(fake_deepseek_v3)}, "data": {"path": str(data)}}
     for key in ("target", "data"):
@@ -45,5 +55,7 @@ def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepsee
     log = next((tmp_path / "results" / "logs" / "validate_env").glob("*.log")).read_text()
     assert "tensor_parallel_size=8 needs 8 CUDA devices, 0 are visible" in log
     assert "[ok] layer_ids: [2, 30, 58, 61]" in log
-    assert "capture_plan" not in " ".join(p.name for p in (tmp_path / "results" / "hidden").glob("*/*"))
+    assert "capture_plan" not in " ".join(
+        p.name for p in (tmp_path / "results" / "hidden").glob("*/*")
+    )
     assert "validate_env" in out

@@ -15,15 +15,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector, extract_from_kv_cache)
+    ExampleHiddenStatesConnector,
+    extract_from_kv_cache,
+)
 from vllm.model_executor.models.extract_hidden_states import basic_cache
 
-from eagleflow.conversations import Conversation
-from eagleflow.extract import assemble_shard, chunk_path, chunk_ranges
-from eagleflow.headers import read_header
-from eagleflow.hidden_states_connector import ConnectorFileError, commit_from_connector, read_request_file
-from eagleflow.shards import build_shards
-from eagleflow.templating import Tokenized
+from eagleflow.capture.connector import ConnectorFileError, commit_from_connector, read_request_file
+from eagleflow.data.conversations import Conversation
+from eagleflow.data.shards import build_shards
+from eagleflow.data.templating import Tokenized
+from eagleflow.extract.shard import assemble_shard, chunk_path, chunk_ranges
+from eagleflow.store.headers import read_header
 
 BLOCK = 16
 N_IDS, HIDDEN = 4, 32
@@ -50,7 +52,9 @@ def connector_write(kv_cache, storage, req_id, prompt, block_ids, delay=0.0, bac
     slots = (torch.arange(BLOCK).reshape(1, BLOCK) + block_ids_t.reshape(-1, 1) * BLOCK).flatten()
     hs = extract_from_kv_cache(kv_cache, slots, len(prompt)).clone()
     tensors = {"hidden_states": hs, "token_ids": torch.tensor(prompt)}
-    write = lambda: ExampleHiddenStatesConnector._write_tensors(tensors, _Done(delay), filename, lock_fd)  # noqa: E731
+    write = lambda: ExampleHiddenStatesConnector._write_tensors(
+        tensors, _Done(delay), filename, lock_fd
+    )  # noqa: E731
     if background:
         t = threading.Thread(target=write)
         t.start()
@@ -83,7 +87,9 @@ def outputs_for(tmp_path, kv_cache, prompts=PROMPTS, blocks=BLOCKS, names=None):
     for i, (p, b) in enumerate(zip(prompts, blocks)):
         engine_id = (names or {}).get(i, f"{i}-a1b2c3d4")
         path, _ = connector_write(kv_cache, storage, engine_id, p, b)
-        outs.append(SimpleNamespace(request_id=str(i), kv_transfer_params={"hidden_states_path": path}))
+        outs.append(
+            SimpleNamespace(request_id=str(i), kv_transfer_params={"hidden_states_path": path})
+        )
     return outs
 
 
@@ -91,18 +97,27 @@ def test_connector_files_become_an_eagleflow_chunk_and_shard(tmp_path):
     kv_cache, truth = engine_run(tmp_path, PROMPTS, BLOCKS)
     outs = outputs_for(tmp_path, kv_cache)
     chunk = tmp_path / "chunk-00000.safetensors"
-    n = commit_from_connector(outs, PROMPTS, PLAN, torch.bfloat16, chunk, {"chunk": 0, "samples": [0, 3]})
+    n = commit_from_connector(
+        outs, PROMPTS, PLAN, torch.bfloat16, chunk, {"chunk": 0, "samples": [0, 3]}
+    )
     assert n == sum(map(len, PROMPTS))
     with safe_open(str(chunk), framework="pt") as f:
-        assert sorted(f.keys()) == ["hidden_states", "input_ids"]  # what the worker strategies commit
-        assert torch.equal(f.get_tensor("hidden_states"), torch.cat(truth))  # bit for bit, in prompt order
+        assert sorted(f.keys()) == [
+            "hidden_states",
+            "input_ids",
+        ]  # what the worker strategies commit
+        assert torch.equal(
+            f.get_tensor("hidden_states"), torch.cat(truth)
+        )  # bit for bit, in prompt order
         assert f.get_tensor("input_ids").dtype == torch.int64
         assert f.get_tensor("input_ids").tolist() == sum(PROMPTS, [])
     # The connector's files and locks are gone once the chunk is committed.
     assert os.listdir(tmp_path / "connector") == []
 
     # Assembled like any other strategy's chunks: same keys, dtypes and layout.
-    toks = [Tokenized(np.array(p, dtype=np.int64), np.ones(len(p), dtype=np.uint8)) for p in PROMPTS]
+    toks = [
+        Tokenized(np.array(p, dtype=np.int64), np.ones(len(p), dtype=np.uint8)) for p in PROMPTS
+    ]
     shard = build_shards([Conversation(f"s{i}", (), "t", i) for i in range(3)], toks, 3, "t")[0]
     ranges = chunk_ranges(shard.offsets, 10_000)
     partial = tmp_path / "partial"
@@ -112,16 +127,21 @@ def test_connector_files_become_an_eagleflow_chunk_and_shard(tmp_path):
     assemble_shard(shard, ranges, partial, PLAN, "fp", out)
     header, _ = read_header(out)
     layout = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    assert layout == {"hidden_states": ("BF16", [59, N_IDS, HIDDEN]), "input_ids": ("I64", [59]),
-                      "loss_mask": ("U8", [59]), "offsets": ("I64", [4])}
+    assert layout == {
+        "hidden_states": ("BF16", [59, N_IDS, HIDDEN]),
+        "input_ids": ("I64", [59]),
+        "loss_mask": ("U8", [59]),
+        "offsets": ("I64", [4]),
+    }
     assert header["__metadata__"]["capture_strategy"] == "extract_hidden_states"
     assert header["__metadata__"]["layer_id_convention"] == "vllm"
 
 
 def test_a_write_in_flight_is_waited_for(tmp_path):
     kv_cache, truth = engine_run(tmp_path, PROMPTS[:1], BLOCKS[:1])
-    path, writer = connector_write(kv_cache, str(tmp_path / "c"), "0-x", PROMPTS[0], BLOCKS[0], delay=0.5,
-                                   background=True)
+    path, writer = connector_write(
+        kv_cache, str(tmp_path / "c"), "0-x", PROMPTS[0], BLOCKS[0], delay=0.5, background=True
+    )
     t0 = time.perf_counter()
     data = read_request_file(path)  # sleeps on the lock until the writer releases it
     assert time.perf_counter() - t0 > 0.3
@@ -143,17 +163,29 @@ def test_mismatches_are_refused_naming_the_request(tmp_path):
         commit_from_connector(outs, PROMPTS, PLAN, torch.bfloat16, chunk, {})
     # Another layer count than planned.
     outs = outputs_for(tmp_path / "c", kv_cache)
-    with pytest.raises(ConnectorFileError, match=r"shape \[21, 4, 32\], expected \[tokens, 3, 32\]"):
-        commit_from_connector(outs, PROMPTS, {**PLAN, "layer_ids": [2, 4, 8]}, torch.bfloat16, chunk, {})
+    with pytest.raises(
+        ConnectorFileError, match=r"shape \[21, 4, 32\], expected \[tokens, 3, 32\]"
+    ):
+        commit_from_connector(
+            outs, PROMPTS, {**PLAN, "layer_ids": [2, 4, 8]}, torch.bfloat16, chunk, {}
+        )
     # Another dtype than the engine's.
     with pytest.raises(ConnectorFileError, match="bfloat16, the engine's dtype is torch.float16"):
         commit_from_connector(outs, PROMPTS, PLAN, torch.float16, chunk, {})
     # No connector at all.
     bare = [SimpleNamespace(request_id="0", kv_transfer_params=None)]
-    with pytest.raises(ConnectorFileError, match="no hidden_states_path .*not started with ExampleHiddenStatesConnector"):
+    with pytest.raises(
+        ConnectorFileError,
+        match="no hidden_states_path .*not started with ExampleHiddenStatesConnector",
+    ):
         commit_from_connector(bare, PROMPTS[:1], PLAN, torch.bfloat16, chunk, {})
     # A file that never came.
-    gone = [SimpleNamespace(request_id="0", kv_transfer_params={"hidden_states_path": str(tmp_path / "0-z.safetensors")})]
+    gone = [
+        SimpleNamespace(
+            request_id="0",
+            kv_transfer_params={"hidden_states_path": str(tmp_path / "0-z.safetensors")},
+        )
+    ]
     with pytest.raises(ConnectorFileError, match="wrote no file"):
         commit_from_connector(gone, PROMPTS[:1], PLAN, torch.bfloat16, chunk, {})
     assert not chunk.exists()

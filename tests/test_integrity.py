@@ -1,7 +1,7 @@
 import json
 
-from eagleflow.integrity import check_finished_shards
-from synthetic import FP, make_extracted_shard, make_token_shards
+from eagleflow.store.integrity import check_finished_shards
+from support.synthetic import FP, make_extracted_shard, make_token_shards
 
 
 def test_damaged_shards_are_quarantined_with_their_reason(tokenizer, tmp_path):
@@ -14,11 +14,18 @@ def test_damaged_shards_are_quarantined_with_their_reason(tokenizer, tmp_path):
         f.truncate(1000)
     (d / f"{no_record}.json").unlink()
     messages = []
-    bad = check_finished_shards(d, [s.shard_id for s in shards] + ["f" * 20], FP, log=messages.append)
+    bad = check_finished_shards(
+        d, [s.shard_id for s in shards] + ["f" * 20], FP, log=messages.append
+    )
     assert bad == [truncated, no_record]
     assert (d / f"{good}.safetensors").exists()
-    assert not (d / f"{truncated}.safetensors").exists() and not (d / f"{no_record}.safetensors").exists()
-    reasons = {p.parent.name.split("-")[0]: p.read_text() for p in (d / "quarantine").glob("*/reason.txt")}
+    assert (
+        not (d / f"{truncated}.safetensors").exists()
+        and not (d / f"{no_record}.safetensors").exists()
+    )
+    reasons = {
+        p.parent.name.split("-")[0]: p.read_text() for p in (d / "quarantine").glob("*/reason.txt")
+    }
     assert "truncated" in reasons[truncated] and "record unreadable" in reasons[no_record]
     assert any(truncated in m for m in messages)
     # The quarantined files are kept, not deleted.

@@ -9,12 +9,19 @@ BIN = Path(sys.executable).parent
 
 
 def test_snakemake_lint_reports_nothing():
-    proc = subprocess.run([str(BIN / "snakemake"), "--lint"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--lint"], cwd=REPO, capture_output=True, text=True
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Congratulations" in out, out
 
 
 def test_snakefmt_check_passes():
-    files = [str(REPO / "Snakefile"), *map(str, sorted((REPO / "workflow" / "rules").glob("*.smk")))]
-    proc = subprocess.run([str(BIN / "snakefmt"), "--check", *files], cwd=REPO, capture_output=True, text=True)
+    files = [
+        str(REPO / "Snakefile"),
+        *map(str, sorted((REPO / "workflow" / "rules").glob("*.smk"))),
+    ]
+    proc = subprocess.run(
+        [str(BIN / "snakefmt"), "--check", *files], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

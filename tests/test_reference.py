@@ -20,18 +20,33 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagleflow.bundled_data import generate_conversations
-from eagleflow.capture import make_plan
-from eagleflow.conversations import Conversation
-from eagleflow.extract import EngineSettings, Timings, _run_chunks, assemble_shard, chunk_ranges, start_engine, stop_engine
-from eagleflow.layers import default_layer_ids
-from eagleflow.reference import check_shard_against_reference, load_reference_model, reference_states
-from eagleflow.shards import TokenShard, build_shards
-from eagleflow.target import read_target
-from eagleflow.templating import Tokenized, tokenize_conversation, tokenizer_digest
-from eagleflow.hidden_states_connector import engine_kwargs
-from eagleflow.target import TargetInfo
-from eagleflow.tiny_target import build_tiny_llama_target, build_tiny_qwen3_target, build_tiny_target
+from eagleflow.capture.connector import engine_kwargs
+from eagleflow.capture.plan import make_plan
+from eagleflow.capture.reference import (
+    check_shard_against_reference,
+    load_reference_model,
+    reference_states,
+)
+from eagleflow.data.conversations import Conversation
+from eagleflow.data.shards import TokenShard, build_shards
+from eagleflow.data.templating import Tokenized, tokenize_conversation, tokenizer_digest
+from eagleflow.extract.shard import (
+    EngineSettings,
+    Timings,
+    _run_chunks,
+    assemble_shard,
+    chunk_ranges,
+    start_engine,
+    stop_engine,
+)
+from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.fixtures.tiny_target import (
+    build_tiny_llama_target,
+    build_tiny_qwen3_target,
+    build_tiny_target,
+)
+from eagleflow.target.info import TargetInfo, read_target
+from eagleflow.target.layers import default_layer_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -48,10 +63,12 @@ def corpus():
 
 def mixed_shard(tokenizer):
     rows = generate_conversations(400, seed=11)
-    stream = np.concatenate([tokenize_conversation(tokenizer, r["messages"], 10_000).input_ids for r in rows])
+    stream = np.concatenate(
+        [tokenize_conversation(tokenizer, r["messages"], 10_000).input_ids for r in rows]
+    )
     convs, toks, at = [], [], 0
     for i, n in enumerate(LENGTHS):
-        ids = stream[at:at + n]
+        ids = stream[at : at + n]
         at += n
         toks.append(Tokenized(ids, np.ones(n, dtype=np.uint8)))
         convs.append(Conversation(f"mixed-{i}", (), "test", i))
@@ -67,7 +84,9 @@ def capture(llm, shard, plan, workdir, chunk_tokens=400):
     try:
         ranges = chunk_ranges(shard.offsets, chunk_tokens)
         assert len(ranges) >= 3
-        _run_chunks(llm, shard, ranges, list(range(len(ranges))), partial, plan, "test", Timings(), print)
+        _run_chunks(
+            llm, shard, ranges, list(range(len(ranges))), partial, plan, "test", Timings(), print
+        )
         out = workdir / f"{shard.shard_id}.safetensors"
         assemble_shard(shard, ranges, partial, plan, "test", out)
     finally:
@@ -91,17 +110,22 @@ def assert_same_states(a, b, what):
     # Batch composition also varies with scheduling timing, which changes bf16 rounding.
     rel = rel_err(a, b)
     close = float((rel < 0.1).float().mean())
-    print(f"{what}: median rel {float(rel.median()):.5f}, rows within 10%: {close:.3f}, max rel {float(rel.max()):.4f}")
+    print(
+        f"{what}: median rel {float(rel.median()):.5f}, rows within 10%: {close:.3f}, max rel {float(rel.max()):.4f}"
+    )
     assert a.shape == b.shape and float(rel.median()) < 0.02 and close > 0.9, what
 
 
 def settings(target, tp=1):
-    return EngineSettings(target=str(target), tensor_parallel_size=tp, max_model_len=600, max_num_batched_tokens=2048)
+    return EngineSettings(
+        target=str(target), tensor_parallel_size=tp, max_model_len=600, max_num_batched_tokens=2048
+    )
 
 
 def assert_matches_reference(model, states, shard, layer_ids):
-    stats = check_shard_against_reference(model, states, shard.input_ids, shard.offsets, layer_ids,
-                                          list(range(len(shard.sample_ids))))
+    stats = check_shard_against_reference(
+        model, states, shard.input_ids, shard.offsets, layer_ids, list(range(len(shard.sample_ids)))
+    )
     for s in stats:
         print(s)
     assert all(s.ok for s in stats), [s for s in stats if not s.ok]
@@ -111,6 +135,7 @@ def assert_matches_reference(model, states, shard, layer_ids):
 @dataclass
 class Built:
     """A tiny target with its mixed-length shard (tokenized by the target's own tokenizer)."""
+
     path: Path
     info: TargetInfo
     shard: TokenShard
@@ -162,7 +187,12 @@ def deepseek(tmp_path_factory, corpus):
 def deepseek_aux(deepseek, engines, tmp_path_factory):
     """The DeepSeek target's aux_layers capture of the mixed shard, default ids (the baseline)."""
     plan = make_plan(deepseek.info, default_layer_ids(deepseek.info.num_layers), "aux_layers")
-    return capture(engines.get("deepseek", settings(deepseek.path)), deepseek.shard, plan, tmp_path_factory.mktemp("aux"))
+    return capture(
+        engines.get("deepseek", settings(deepseek.path)),
+        deepseek.shard,
+        plan,
+        tmp_path_factory.mktemp("aux"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +200,9 @@ def qwen3(tmp_path_factory, corpus):
     return build(build_tiny_qwen3_target, corpus, tmp_path_factory.mktemp("qwen3"))
 
 
-def test_deepseek_both_strategies_match_the_reference_and_each_other(deepseek, deepseek_aux, engines, tmp_path):
+def test_deepseek_both_strategies_match_the_reference_and_each_other(
+    deepseek, deepseek_aux, engines, tmp_path
+):
     info, shard, aux = deepseek.info, deepseek.shard, deepseek_aux
     ids = default_layer_ids(info.num_layers)
     llm = engines.get("deepseek", settings(deepseek.path))
@@ -190,7 +222,9 @@ def test_deepseek_both_strategies_match_the_reference_and_each_other(deepseek, d
     # (post-norm) is far from it.
     a, b = int(shard.offsets[1]), int(shard.offsets[2])
     with torch.no_grad():
-        post = model(input_ids=torch.as_tensor(shard.input_ids[a:b])[None], output_hidden_states=True).hidden_states[-1][0]
+        post = model(
+            input_ids=torch.as_tensor(shard.input_ids[a:b])[None], output_hidden_states=True
+        ).hidden_states[-1][0]
     pre = reference_states(model, shard.input_ids[a:b], [info.num_layers])[:, 0]
     final = aux[a:b, -1].float()
     rel = lambda x, y: float(((x - y).norm(dim=-1) / y.norm(dim=-1)).median())  # noqa: E731
@@ -202,7 +236,7 @@ def test_deepseek_with_sharp_attention_matches_the_reference(deepseek, engines, 
     Scaling every query projection by 24 makes attention sharp without training; transformers
     in bf16 stays within 0.01 of float32 on the layers checked, so the reference check tells a
     wrong attention from rounding. Without eagleflow's fix of vLLM 0.32's CPU rotary kernel
-    (eagleflow.vllm_fixes) layer 2 was off by a median 0.58; with it, 0.0097."""
+    (eagleflow.engine.vllm_fixes) layer 2 was off by a median 0.58; with it, 0.0097."""
     from safetensors.torch import load_file, save_file
 
     sharp = shutil.copytree(deepseek.path, tmp_path / "sharp")
@@ -212,28 +246,40 @@ def test_deepseek_with_sharp_attention_matches_the_reference(deepseek, engines, 
     save_file(weights, str(sharp / "model.safetensors"), metadata={"format": "pt"})
     ids = [2, 4]
     plan = make_plan(deepseek.info, ids, "aux_layers")
-    states = capture(engines.get("deepseek-sharp", settings(sharp)), deepseek.shard, plan, tmp_path / "out")
+    states = capture(
+        engines.get("deepseek-sharp", settings(sharp)), deepseek.shard, plan, tmp_path / "out"
+    )
     assert_matches_reference(load_reference_model(sharp), states, deepseek.shard, ids)
 
 
 def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
     info, shard = deepseek.info, deepseek.shard
-    shard = build_shards([Conversation(s, (), "t", i) for i, s in enumerate(shard.sample_ids[:4])],
-                         [Tokenized(*shard.sample(i)) for i in range(4)], 4, "t")[0]  # 501 tokens: TP=2 is slow here
+    shard = build_shards(
+        [Conversation(s, (), "t", i) for i, s in enumerate(shard.sample_ids[:4])],
+        [Tokenized(*shard.sample(i)) for i in range(4)],
+        4,
+        "t",
+    )[0]  # 501 tokens: TP=2 is slow here
     plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
     states = {}
     for tp in (1, 2):
         llm = engines.get("deepseek" if tp == 1 else "deepseek-tp2", settings(deepseek.path, tp))
         states[tp] = capture(llm, shard, plan, tmp_path / f"tp{tp}", chunk_tokens=100)
     rel = rel_err(states[2], states[1])
-    print(f"TP=2 vs TP=1: max abs diff {float((states[2].float() - states[1].float()).abs().max()):.4f}, "
-          f"median rel {float(rel.median()):.5f}, p99 rel {float(rel.quantile(0.99)):.4f}")
+    print(
+        f"TP=2 vs TP=1: max abs diff {float((states[2].float() - states[1].float()).abs().max()):.4f}, "
+        f"median rel {float(rel.median()):.5f}, p99 rel {float(rel.quantile(0.99)):.4f}"
+    )
     # Same tolerance as against the float32 reference: TP changes only reduction order.
     assert float(rel.median()) < 0.05
-    assert_matches_reference(load_reference_model(deepseek.path), states[2], shard, plan["layer_ids"])
+    assert_matches_reference(
+        load_reference_model(deepseek.path), states[2], shard, plan["layer_ids"]
+    )
 
 
-def test_llama_4_scaling_is_applied_by_both_strategies(deepseek, deepseek_aux, engines, corpus, tmp_path):
+def test_llama_4_scaling_is_applied_by_both_strategies(
+    deepseek, deepseek_aux, engines, corpus, tmp_path
+):
     """A DeepseekV3 config with Mistral-Large-3's llama_4_scaling: the model's own aux capture and
     eagleflow's patched forward agree; the same weights without the scaling give other states."""
     scaled = build(build_tiny_target, corpus, tmp_path / "scaled")
@@ -253,10 +299,12 @@ def test_llama_4_scaling_is_applied_by_both_strategies(deepseek, deepseek_aux, e
     assert_same_states(patched, aux, "patched_forward vs aux_layers with llama_4_scaling")
     # Positions below 32 are unscaled either way; beyond, the scaling changes the states.
     a, b = int(shard.offsets[1]), int(shard.offsets[2])  # the 480-token sample
-    early = rel_err(aux[a:a + 32], unscaled[a:a + 32]).median()
-    late = rel_err(aux[a + 64:b], unscaled[a + 64:b]).median()
-    print(f"with vs without llama_4_scaling: positions < 32 median rel {float(early):.5f}, "
-          f"positions >= 64 median rel {float(late):.4f}")
+    early = rel_err(aux[a : a + 32], unscaled[a : a + 32]).median()
+    late = rel_err(aux[a + 64 : b], unscaled[a + 64 : b]).median()
+    print(
+        f"with vs without llama_4_scaling: positions < 32 median rel {float(early):.5f}, "
+        f"positions >= 64 median rel {float(late):.4f}"
+    )
     # The scaling's effect must stand well clear of the engine's own run-to-run noise, measured
     # above on the same config (patched vs aux).
     noise = float(rel_err(patched, aux).median())
@@ -268,7 +316,9 @@ def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
     ids = [0, *default_layer_ids(llama.info.num_layers)]
     plan = make_plan(llama.info, ids, "auto")
     assert plan["strategy"] == "aux_layers"
-    states = capture(engines.get("llama", settings(llama.path)), llama.shard, plan, tmp_path / "out")
+    states = capture(
+        engines.get("llama", settings(llama.path)), llama.shard, plan, tmp_path / "out"
+    )
     assert_matches_reference(load_reference_model(llama.path), states, llama.shard, ids)
 
 
@@ -276,8 +326,15 @@ def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
 def qwen3_aux(qwen3, engines, tmp_path_factory):
     ids = [0, *default_layer_ids(qwen3.info.num_layers)]
     plan = make_plan(qwen3.info, ids, "auto")
-    assert plan["strategy"] == "aux_layers" and plan["model_class"].endswith("qwen3.Qwen3ForCausalLM")
-    return capture(engines.get("qwen3", settings(qwen3.path)), qwen3.shard, plan, tmp_path_factory.mktemp("qwen3-aux"))
+    assert plan["strategy"] == "aux_layers" and plan["model_class"].endswith(
+        "qwen3.Qwen3ForCausalLM"
+    )
+    return capture(
+        engines.get("qwen3", settings(qwen3.path)),
+        qwen3.shard,
+        plan,
+        tmp_path_factory.mktemp("qwen3-aux"),
+    )
 
 
 def test_dense_qwen3_target_through_the_same_path(qwen3, qwen3_aux, tmp_path_factory):
@@ -290,18 +347,25 @@ def test_dense_qwen3_target_through_the_same_path(qwen3, qwen3_aux, tmp_path_fac
 def test_extract_hidden_states_end_to_end_on_cpu(qwen3, qwen3_aux, engines, tmp_path, monkeypatch):
     """vLLM's own extract_hidden_states through eagleflow's extraction code, on the CPU: vLLM's
     proposer, cache-only KV layer and connector, with only the connector's two CUDA-only calls
-    replaced (tests/cpu_hidden_states_connector.py). The capture plan itself refuses CPU, so the
+    replaced (tests/support/cpu_hidden_states_connector.py). The capture plan itself refuses CPU, so the
     plan is the one a GPU node makes."""
-    from eagleflow.capture import CaptureCheckError
+    from eagleflow.capture.plan import CaptureCheckError
 
     ids = [0, *default_layer_ids(qwen3.info.num_layers)]
     with pytest.raises(CaptureCheckError, match="extract.device is 'cpu'"):
         make_plan(qwen3.info, ids, "extract_hidden_states", device="cpu")
     plan = make_plan(qwen3.info, ids, "extract_hidden_states", device="cuda")
     # The connector class is imported inside vLLM's (spawned) processes.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    kwargs = engine_kwargs(plan, tmp_path / "connector", connector="CPUHiddenStatesConnector",
-                           connector_module_path="cpu_hidden_states_connector")
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    kwargs = engine_kwargs(
+        plan,
+        tmp_path / "connector",
+        connector="CPUHiddenStatesConnector",
+        connector_module_path="support.cpu_hidden_states_connector",
+    )
     llm = engines.get("qwen3-extract-hidden-states", settings(qwen3.path), kwargs)
     states = capture(llm, qwen3.shard, plan, tmp_path / "out")
     assert not list((tmp_path / "connector").glob("*.safetensors*"))  # every request file converted

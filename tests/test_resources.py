@@ -1,4 +1,4 @@
-"""What jobs ask a cluster for (eagleflow.resources): GPUs, CPUs, memory, runtime."""
+"""What jobs ask a cluster for (eagleflow.extract.resources): GPUs, CPUs, memory, runtime."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from eagleflow import resources as jr
+from eagleflow.extract import resources as jr
 
 CPU = {"device": "cpu", "tensor_parallel_size": 1, "cpu_kvcache_space_gib": 1}
 CUDA = {"device": "cuda", "tensor_parallel_size": 8, "cpu_kvcache_space_gib": 1}
@@ -37,7 +37,9 @@ def test_runtime_covers_load_prefill_and_verification_and_grows_with_attempts():
     # Its shard (4 layers x 7168, bf16: 53.4 GiB) is read back once by the verification.
     verify = jr.verify_minutes(1_000_000, 4, 7168)
     assert 4.5 < verify < 4.6  # 54,688 MiB at 200 MiB/s
-    assert jr.extract_runtime_minutes(1_000_000, 2280, 18, verify, attempt=1) == 47  # ceil(1.5 * 30.87 + 2)
+    assert (
+        jr.extract_runtime_minutes(1_000_000, 2280, 18, verify, attempt=1) == 47
+    )  # ceil(1.5 * 30.87 + 2)
 
 
 def test_shard_tokens_from_the_header(tmp_path):
@@ -52,8 +54,12 @@ def test_measured_rates_from_finished_shards(tmp_path):
     assert jr.measured_rates(tmp_path / "missing") == (None, None)
     recs = [(100.0, 30.0, True), (300.0, 20.0, True), (200.0, 25.0, True), (None, None, False)]
     for i, (tps, start, loaded) in enumerate(recs):
-        rec = {"tokens_extracted_now": 10 if tps else 0, "tokens_per_second": tps, "model_loaded": loaded,
-               "seconds": {"engine_start": start} if start else {}}
+        rec = {
+            "tokens_extracted_now": 10 if tps else 0,
+            "tokens_per_second": tps,
+            "model_loaded": loaded,
+            "seconds": {"engine_start": start} if start else {},
+        }
         (tmp_path / f"{i:020x}.json").write_text(json.dumps(rec))
     (tmp_path / "fingerprint.json").write_text("{}")
     (tmp_path / f"{0:020x}.verify.json").write_text("{}")

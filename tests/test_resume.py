@@ -12,11 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagleflow.extract import chunk_ranges
-from eagleflow.headers import file_sha256
-from eagleflow.shards import read_token_shard
-from eagleflow.verify import cheap_check
-from workflow_runner import REPO, SMALL, SNAKEMAKE, copy_workdir, hidden_dir, snakemake, write_config
+from eagleflow.data.shards import read_token_shard
+from eagleflow.extract.shard import chunk_ranges
+from eagleflow.store.headers import file_sha256
+from eagleflow.store.verify import cheap_check
+from support.workflow_runner import (
+    REPO,
+    SMALL,
+    SNAKEMAKE,
+    copy_workdir,
+    hidden_dir,
+    snakemake,
+    write_config,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -39,10 +47,21 @@ def forget_shard(workdir, shard_id):
 def run_and_kill(workdir, shard_id, when, timeout=300):
     """Start the extract job for one shard through Snakemake; SIGKILL its whole process group
     (Snakemake, the job, vLLM's engine and workers) once `when(partial_dir)` is true."""
-    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(write_config(workdir, CHUNKED)), "--cores", "2",
-           *shard_targets(workdir, shard_id)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [
+        SNAKEMAKE,
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(write_config(workdir, CHUNKED)),
+        "--cores",
+        "2",
+        *shard_targets(workdir, shard_id),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     partial = hidden_dir(workdir) / ".partial" / shard_id
     deadline = time.time() + timeout
     try:
@@ -63,7 +82,9 @@ def chunks(partial):
     return sorted(partial.glob("chunk-*.safetensors")) if partial.exists() else []
 
 
-def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extracted_workdir, tmp_path):
+def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(
+    extracted_workdir, tmp_path
+):
     # The uninterrupted result is the shared fixture's own extraction of the same shard (chunk
     # size and batch limits are not in the fingerprint: same directory, same tensors up to noise).
     reference = extracted_workdir
@@ -86,12 +107,18 @@ def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extract
         # Nothing a later run could take for a finished shard: no file, or one that fails the check.
         out = d / f"{shard_id}.safetensors"
         record = d / f"{shard_id}.json"
-        assert not (out.exists() and record.exists() and not cheap_check(out, json.loads(record.read_text()), d.name)), name
+        assert not (
+            out.exists()
+            and record.exists()
+            and not cheap_check(out, json.loads(record.read_text()), d.name)
+        ), name
         committed.append(len(chunks(d / ".partial" / shard_id)))
     tokens = read_token_shard(work / "results" / "shards" / "tokens" / f"{shard_id}.safetensors")
     total = len(chunk_ranges(tokens.offsets, CHUNKED["extract"]["chunk_tokens"]))
     # Three distinct kill points, the last still mid-shard.
-    assert committed[1] == 0 and 1 <= committed[2] and committed[2] + 2 <= committed[3] < total, committed
+    assert committed[1] == 0 and 1 <= committed[2] and committed[2] + 2 <= committed[3] < total, (
+        committed
+    )
 
     # What the kills left committed, to find byte for byte in the finished shard.
     partial = d / ".partial" / shard_id
@@ -103,9 +130,14 @@ def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(extract
     assert 0 < record["tokens_extracted_now"] < record["n_tokens"]
     assert file_sha256(d / f"{shard_id}.safetensors") == record["sha256"]
     assert not partial.exists()
-    final, ref = load_file(str(d / f"{shard_id}.safetensors")), load_file(str(hidden_dir(reference) / f"{shard_id}.safetensors"))
+    final, ref = (
+        load_file(str(d / f"{shard_id}.safetensors")),
+        load_file(str(hidden_dir(reference) / f"{shard_id}.safetensors")),
+    )
     n_kept = sum(len(c["input_ids"]) for c in kept)
-    assert torch.equal(final["hidden_states"][:n_kept], torch.cat([c["hidden_states"] for c in kept]))
+    assert torch.equal(
+        final["hidden_states"][:n_kept], torch.cat([c["hidden_states"] for c in kept])
+    )
     for key in ("input_ids", "loss_mask", "offsets"):
         assert torch.equal(final[key], ref[key]), key
     # Against the uninterrupted run: the same states up to the CPU engine's run-to-run noise

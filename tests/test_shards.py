@@ -1,17 +1,19 @@
 import numpy as np
-
-from eagleflow.conversations import Conversation
-from eagleflow.shards import build_shards, read_token_shard, shard_dataset, write_token_shard
-from eagleflow.templating import tokenize_conversation, tokenizer_digest
-from eagleflow.bundled_data import generate_conversations
-from conftest import write_jsonl
-
 import pandas as pd
 import pytest
+from conftest import write_jsonl
+
+from eagleflow.data.conversations import Conversation
+from eagleflow.data.shards import build_shards, read_token_shard, shard_dataset, write_token_shard
+from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
+from eagleflow.fixtures.bundled_data import generate_conversations
 
 
 def convs(n, seed=0):
-    return [Conversation(r["id"], tuple(r["messages"]), "f", i) for i, r in enumerate(generate_conversations(n, seed))]
+    return [
+        Conversation(r["id"], tuple(r["messages"]), "f", i)
+        for i, r in enumerate(generate_conversations(n, seed))
+    ]
 
 
 def shards_of(tokenizer, conversations, size=4):
@@ -41,7 +43,10 @@ def test_shard_ids_follow_content_only(tokenizer):
     # Editing one sample changes only its shard's id.
     edited = convs(12)
     c = edited[5]
-    msgs = (c.messages[0], {"role": "assistant", "content": c.messages[1]["content"] + " Indeed."}) + c.messages[2:]
+    msgs = (
+        c.messages[0],
+        {"role": "assistant", "content": c.messages[1]["content"] + " Indeed."},
+    ) + c.messages[2:]
     edited[5] = Conversation(c.sample_id, msgs, c.source_file, c.source_row)
     changed = [a.shard_id != b.shard_id for a, b in zip(base, shards_of(tokenizer, edited))]
     assert changed == [False, True, False]
@@ -61,15 +66,36 @@ def test_shard_dataset_manifest_and_bad_rows(tokenizer_dir, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     kw = dict(shard_size=4, max_length=512)
     with pytest.raises(ValueError, match=r"d.jsonl, row 4: no assistant turn"):
-        shard_dataset(data, tokenizer_dir, tmp_path / "t", tmp_path / "m.parquet", tmp_path / "rej.jsonl",
-                      on_bad_row="error", **kw)
-    summary = shard_dataset(data, tokenizer_dir, tmp_path / "t", tmp_path / "m.parquet", tmp_path / "rej.jsonl",
-                            on_bad_row="skip", **kw)
+        shard_dataset(
+            data,
+            tokenizer_dir,
+            tmp_path / "t",
+            tmp_path / "m.parquet",
+            tmp_path / "rej.jsonl",
+            on_bad_row="error",
+            **kw,
+        )
+    summary = shard_dataset(
+        data,
+        tokenizer_dir,
+        tmp_path / "t",
+        tmp_path / "m.parquet",
+        tmp_path / "rej.jsonl",
+        on_bad_row="skip",
+        **kw,
+    )
     assert summary["conversations"] == 9 and summary["rejected"] == 1 and summary["shards"] == 3
     rejects = pd.read_json(tmp_path / "rej.jsonl", lines=True)
     assert rejects[["source_row", "reason"]].values.tolist() == [[4, "no assistant turn"]]
     manifest = pd.read_parquet(tmp_path / "m.parquet")
-    assert list(manifest.columns) == ["sample_id", "shard_id", "n_tokens", "n_loss_tokens", "source_file", "source_row"]
+    assert list(manifest.columns) == [
+        "sample_id",
+        "shard_id",
+        "n_tokens",
+        "n_loss_tokens",
+        "source_file",
+        "source_row",
+    ]
     assert manifest["source_row"].tolist() == [1, 2, 3, 5, 6, 7, 8, 9, 10]
     for shard_id, group in manifest.groupby("shard_id", sort=False):
         shard = read_token_shard(tmp_path / "t" / f"{shard_id}.safetensors")
@@ -78,9 +104,24 @@ def test_shard_dataset_manifest_and_bad_rows(tokenizer_dir, tmp_path):
 
 
 def test_truncation_that_drops_every_assistant_token_is_a_bad_row(tokenizer_dir, tmp_path):
-    rows = [{"id": "long", "messages": [{"role": "user", "content": "word " * 200},
-                                        {"role": "assistant", "content": "ok"}]}]
+    rows = [
+        {
+            "id": "long",
+            "messages": [
+                {"role": "user", "content": "word " * 200},
+                {"role": "assistant", "content": "ok"},
+            ],
+        }
+    ]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match="no assistant tokens within the first 16 tokens"):
-        shard_dataset(data, tokenizer_dir, tmp_path / "t", tmp_path / "m.parquet", tmp_path / "r.jsonl",
-                      shard_size=4, max_length=16, on_bad_row="error")
+        shard_dataset(
+            data,
+            tokenizer_dir,
+            tmp_path / "t",
+            tmp_path / "m.parquet",
+            tmp_path / "r.jsonl",
+            shard_size=4,
+            max_length=16,
+            on_bad_row="error",
+        )

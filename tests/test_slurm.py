@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workflow_runner import REPO, SMALL, SNAKEMAKE, merged, write_config
+from support.workflow_runner import REPO, SMALL, SNAKEMAKE, merged, write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -25,19 +25,31 @@ PARTITION = ACCOUNT = "eagleflow-test"
 # engine start); each extract job asks for 4 of the node's 8 fake GPUs and (up to) 2 CPUs, and
 # still extracts on the CPU (extract.device stays cpu).
 N_SHARDS = 2
-CONFIG = merged(SMALL, {"data": {"bundled_conversations": 100 * N_SHARDS}, "extract": {
-    "gpus_per_job": 4, "cpus_per_job": min(2, os.cpu_count() or 1),
-    "model_load_minutes": 3, "tokens_per_second": 300,  # generous limits on a busy machine
-}})
+CONFIG = merged(
+    SMALL,
+    {
+        "data": {"bundled_conversations": 100 * N_SHARDS},
+        "extract": {
+            "gpus_per_job": 4,
+            "cpus_per_job": min(2, os.cpu_count() or 1),
+            "model_load_minutes": 3,
+            "tokens_per_second": 300,  # generous limits on a busy machine
+        },
+    },
+)
 SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=1200)
-    assert up.returncode == 0, f"the test SLURM cluster did not come up:\n{up.stdout[-4000:]}\n{up.stderr[-4000:]}"
+    assert up.returncode == 0, (
+        f"the test SLURM cluster did not come up:\n{up.stdout[-4000:]}\n{up.stderr[-4000:]}"
+    )
     yield
-    down = subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True, timeout=300)
+    down = subprocess.run(
+        ["bash", str(CLUSTER), "down"], capture_output=True, text=True, timeout=300
+    )
     assert down.returncode == 0, down.stdout + down.stderr
 
 
@@ -57,12 +69,30 @@ def snakemake_slurm(workdir: Path, profile_home: Path, *args, timeout=1200):
     the user config directory), in a scratch directory with the test config."""
     configfile = write_config(workdir, CONFIG)
     # Targets first: --configfile takes several values.
-    cmd = ["timeout", "-k", "30", str(timeout), SNAKEMAKE, *args, "--profile", "slurm",
-           "--directory", str(workdir), "--configfile", str(configfile)]
-    env = {**os.environ, "XDG_CONFIG_HOME": str(profile_home),
-           "EAGLEFLOW_SLURM_PARTITION": PARTITION, "EAGLEFLOW_SLURM_ACCOUNT": ACCOUNT}
+    cmd = [
+        "timeout",
+        "-k",
+        "30",
+        str(timeout),
+        SNAKEMAKE,
+        *args,
+        "--profile",
+        "slurm",
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(configfile),
+    ]
+    env = {
+        **os.environ,
+        "XDG_CONFIG_HOME": str(profile_home),
+        "EAGLEFLOW_SLURM_PARTITION": PARTITION,
+        "EAGLEFLOW_SLURM_ACCOUNT": ACCOUNT,
+    }
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout + 60)
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout + 60
+    )
     proc.seconds = time.time() - t0
     proc.out = proc.stdout + proc.stderr
     proc.submitted = [(int(j), log) for j, log in SUBMITTED.findall(proc.out)]
@@ -83,12 +113,32 @@ def job_stats(out: str) -> dict:
 
 
 def sacct(job_ids) -> dict:
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(map(str, job_ids)),
-                          "-o", "JobID,State,Timelimit,AllocTRES,Account,Partition"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "sacct",
+            "-X",
+            "-n",
+            "-P",
+            "-j",
+            ",".join(map(str, job_ids)),
+            "-o",
+            "JobID,State,Timelimit,AllocTRES,Account,Partition",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = [line.split("|") for line in out.splitlines() if line.strip()]
-    return {int(r[0]): {"state": r[1], "timelimit": r[2], "tres": r[3], "account": r[4], "partition": r[5]}
-            for r in rows}
+    return {
+        int(r[0]): {
+            "state": r[1],
+            "timelimit": r[2],
+            "tres": r[3],
+            "account": r[4],
+            "partition": r[5],
+        }
+        for r in rows
+    }
 
 
 def fail_msg(proc) -> str:
@@ -128,8 +178,10 @@ def runs(slurm_cluster, profile_home, tmp_path_factory):
     assert p.returncode == 0, fail_msg(p)
     runs["again"] = p = snakemake_slurm(workdir, profile_home, "extract")
     assert p.returncode == 0, fail_msg(p)
-    print(f"SLURM test runs: {', '.join(f'{k} {runs[k].seconds:.0f} s' for k in ('shard', 'failed', 'fixed', 'again'))}; "
-          f"total {time.time() - t0:.0f} s")
+    print(
+        f"SLURM test runs: {', '.join(f'{k} {runs[k].seconds:.0f} s' for k in ('shard', 'failed', 'fixed', 'again'))}; "
+        f"total {time.time() - t0:.0f} s"
+    )
     return runs
 
 
@@ -151,7 +203,9 @@ def test_jobs_run_through_slurm_with_their_resources(runs):
     assert len(good) == N_SHARDS
     for j in good:  # asked for GPUs (fake here) and got them, yet extracted on the CPU
         assert "gres/gpu=4" in records[j]["tres"] and "node=1" in records[j]["tres"], records[j]
-    rules_submitted = {next(part for part in Path(log).parts if part.startswith("rule_")) for _, log in submitted}
+    rules_submitted = {
+        next(part for part in Path(log).parts if part.startswith("rule_")) for _, log in submitted
+    }
     assert rules_submitted == {"rule_shard", "rule_patch", "rule_extract_shard"}
     workdir = runs["workdir"]
     fp = hidden_dir(workdir).name
@@ -192,7 +246,9 @@ def test_failed_job_fails_the_run_naming_its_log_after_retries_with_more_time(ru
 
 def test_rerun_after_the_fix_runs_only_what_failed(runs):
     p, bad = runs["fixed"], runs["bad"]
-    assert job_stats(p.out) == {"extract_shard": 1, "verify_summary": 1, "extract": 1}, p.out[-3000:]
+    assert job_stats(p.out) == {"extract_shard": 1, "verify_summary": 1, "extract": 1}, p.out[
+        -3000:
+    ]
     assert p.submitted and all(bad in log for _, log in p.submitted), p.submitted
 
 

@@ -8,25 +8,53 @@ import yaml
 from snakemake.utils import validate
 from snakemake.utils import validate as validate_schema
 
-from eagleflow.layers import resolve_layer_ids
-from eagleflow.target import TargetError, bytes_per_weight, count_parameters, read_target
+from eagleflow.target.info import TargetError, bytes_per_weight, count_parameters, read_target
+from eagleflow.target.layers import resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 
 DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-    n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-    v_head_dim=128, qk_nope_head_dim=128, first_k_dense_replace=3, topk_method="noaux_tc",
-    scoring_func="sigmoid", quantization_config={"quant_method": "fp8"},
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    first_k_dense_replace=3,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    quantization_config={"quant_method": "fp8"},
 )
-KIMI_K2 = {**DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "n_routed_experts": 384,
-           "first_k_dense_replace": 1, "quantization_config": None}
-KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-            "vision_config": {"hidden_size": 1152},
-            "text_config": {**{k: v for k, v in KIMI_K2.items() if k != "architectures"}, "model_type": "kimi_k2",
-                            "quantization_config": {"quant_method": "compressed-tensors",
-                                                    "config_groups": {"g0": {"weights": {"num_bits": 4}}}}}}
+KIMI_K2 = {
+    **DEEPSEEK_V3,
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "n_routed_experts": 384,
+    "first_k_dense_replace": 1,
+    "quantization_config": None,
+}
+KIMI_K25 = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "vision_config": {"hidden_size": 1152},
+    "text_config": {
+        **{k: v for k, v in KIMI_K2.items() if k != "architectures"},
+        "model_type": "kimi_k2",
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"g0": {"weights": {"num_bits": 4}}},
+        },
+    },
+}
 
 
 def target(tmp_path, cfg):
@@ -58,8 +86,14 @@ def test_missing_or_broken_config_is_named(tmp_path):
         read_target(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/kimi-k2.5-tp8.yaml",
-                                  "config/examples/deepseek-v3-tp8.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config/config.yaml",
+        "config/examples/kimi-k2.5-tp8.yaml",
+        "config/examples/deepseek-v3-tp8.yaml",
+    ],
+)
 def test_shipped_configs_validate_against_the_schema(name):
     cfg = yaml.safe_load((REPO / name).read_text())
     validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
@@ -87,23 +121,31 @@ def test_kimi_k25_validates_before_any_load(tmp_path, tokenizer_dir):
     import torch
     from safetensors.torch import save_file
 
-    from eagleflow.validate_env import validate
+    from eagleflow.extract.preflight import validate
 
     d = tmp_path / "Kimi-K2.5"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(KIMI_K25))
     for p in Path(tokenizer_dir).iterdir():
         shutil.copy(p, d / p.name)
-    save_file({"language_model.model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
-              str(d / "model-00001-of-000064.safetensors"))
+    save_file(
+        {"language_model.model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
+        str(d / "model-00001-of-000064.safetensors"),
+    )
     cfg = yaml.safe_load((REPO / "config/examples/kimi-k2.5-tp8.yaml").read_text())
-    validate_schema(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # fills the defaults
+    validate_schema(
+        cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml")
+    )  # fills the defaults
     ok, report = validate(cfg, str(d), 10_000, str(tmp_path / "results"))
     checks = {c["name"]: c for c in report["checks"]}
-    assert checks["model_config"]["detail"] == ("DeepseekV3ForCausalLM, 61 layers, hidden 7168 "
-                                                "(text model of KimiK25ForConditionalGeneration)")
+    assert checks["model_config"]["detail"] == (
+        "DeepseekV3ForCausalLM, 61 layers, hidden 7168 "
+        "(text model of KimiK25ForConditionalGeneration)"
+    )
     assert report["layer_ids"] == [2, 30, 58, 61] and checks["layer_ids"]["ok"]
     assert report["weight_bytes_estimate"] == pytest.approx(1026.4e9 / 2, rel=2e-3)  # int4
-    assert not ok and any("tensor_parallel_size=8 needs 8 CUDA devices" in c["detail"] for c in report["checks"])
+    assert not ok and any(
+        "tensor_parallel_size=8 needs 8 CUDA devices" in c["detail"] for c in report["checks"]
+    )
     ok, report = validate(cfg, str(d), 10_000, str(tmp_path / "results"), device_checks=False)
     assert ok, [c for c in report["checks"] if not c["ok"]]

@@ -1,6 +1,10 @@
 import numpy as np
 
-from eagleflow.templating import has_generation_markers, tokenize_conversation, tokenizer_digest
+from eagleflow.data.templating import (
+    has_generation_markers,
+    tokenize_conversation,
+    tokenizer_digest,
+)
 
 MESSAGES = [
     {"role": "user", "content": "What is 2 plus 3?"},
@@ -24,9 +28,15 @@ def test_mask_covers_exactly_the_assistant_text(tokenizer):
 def test_prefix_diff_path_agrees_with_generation_markers(tokenizer):
     """Templates without {% generation %} get masks from growing prefixes; both paths must mark
     exactly the same tokens."""
-    plain = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    tok2 = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<|bos|>",
-                               eos_token="<|end|>", pad_token="<|pad|>")
+    plain = tokenizer.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""
+    )
+    tok2 = tokenizer.__class__(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+    )
     tok2.chat_template = plain
     a = tokenize_conversation(tokenizer, MESSAGES, 512)
     b = tokenize_conversation(tok2, MESSAGES, 512)

@@ -1,11 +1,11 @@
-"""Target training (eagleflow.train_target): the length-grouped batch stream. The training
+"""Target training (eagleflow.fixtures.train_target): the length-grouped batch stream. The training
 itself runs in the train_tiny_target rule (minutes), not here."""
 
 import random
 
 import torch
 
-from eagleflow.train_target import _batches, _pad
+from eagleflow.fixtures.train_target import _batches, _pad
 
 
 def _samples(n=500, seed=0):
@@ -13,7 +13,9 @@ def _samples(n=500, seed=0):
     out = []
     for _ in range(n):
         length = rng.randint(5, 72)
-        out.append((list(range(10, 10 + length)), [0] * (length // 2) + [1] * (length - length // 2)))
+        out.append(
+            (list(range(10, 10 + length)), [0] * (length // 2) + [1] * (length - length // 2))
+        )
     return out
 
 
@@ -26,7 +28,9 @@ def test_length_grouped_batches_cover_every_sample_once_per_epoch_with_little_pa
         ids, labels = next(stream)
         assert ids.shape == labels.shape and ids.shape[1] % 8 == 0
         unpadded = max(int((row != 0).sum()) for row in ids)
-        assert ids.shape[0] == 1 or ids.shape[0] * unpadded <= 512  # the budget, before rounding up to 8
+        assert (
+            ids.shape[0] == 1 or ids.shape[0] * unpadded <= 512
+        )  # the budget, before rounding up to 8
         for row, lab in zip(ids, labels):
             n = int((row != 0).sum())
             seen.append(n)

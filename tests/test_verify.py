@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagleflow.headers import read_header
-from eagleflow.verify import ShardInvalid, cheap_check, verify_extracted_shard, verify_shard
-from synthetic import FP, PLAN, make_extracted_shard, make_token_shards
+from eagleflow.store.headers import read_header
+from eagleflow.store.verify import ShardInvalid, cheap_check, verify_extracted_shard, verify_shard
+from support.synthetic import FP, PLAN, make_extracted_shard, make_token_shards
 
 
 @pytest.fixture
@@ -18,7 +18,9 @@ def extracted(tokenizer, tmp_path):
 
 
 def run(shard, out, record, deep=False, fp=FP):
-    return verify_shard(out, shard, record, fp, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", deep=deep)
+    return verify_shard(
+        out, shard, record, fp, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", deep=deep
+    )
 
 
 def flip_byte(path, offset):
@@ -70,7 +72,9 @@ def test_input_ids_not_matching_the_manifest_are_named(extracted):
     ids[7] += 1
     # Same shard id and sample ids, one token different: a stale or mixed-up file.
     forged = type(shard)(shard.shard_id, shard.sample_ids, ids, shard.loss_mask, shard.offsets)
-    assert run(forged, out, record)["problems"] == ["input_ids differ from the tokenized shard's tokens"]
+    assert run(forged, out, record)["problems"] == [
+        "input_ids differ from the tokenized shard's tokens"
+    ]
 
 
 def test_non_finite_and_zero_rows_are_named(tokenizer, tmp_path):
@@ -88,13 +92,17 @@ def test_non_finite_and_zero_rows_are_named(tokenizer, tmp_path):
     with open(out, "r+b") as f:
         f.seek(start + 5 * row_bytes + 16 * 2)
         f.write(b"\x00\x00" * 16)
-    assert run(shard, out, record)["problems"] == ["hidden_states: all-zero row at token 5, layer id 4"]
+    assert run(shard, out, record)["problems"] == [
+        "hidden_states: all-zero row at token 5, layer id 4"
+    ]
 
 
 def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(extracted):
     shard, out, record = extracted
     report = out.with_name(f"{shard.shard_id}.verify.json")
-    result = verify_extracted_shard(out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report)
+    result = verify_extracted_shard(
+        out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report
+    )
     assert result["ok"] and json.loads(report.read_text()) == result
     report.unlink()
     # A shard that fails (here: a NaN row) is moved aside with its record; no report is written.
@@ -102,12 +110,30 @@ def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(ext
     with open(out, "r+b") as f:
         f.seek(start)
         f.write(b"\xc0\x7f" * 16)
-    partial = out.parent / ".partial" / shard.shard_id  # its committed chunks go too: the next run starts afresh
+    partial = (
+        out.parent / ".partial" / shard.shard_id
+    )  # its committed chunks go too: the next run starts afresh
     assert any(partial.iterdir())
-    with pytest.raises(ShardInvalid, match=f"shard {shard.shard_id} .*non-finite value at token 0.*quarantine"):
-        verify_extracted_shard(out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report,
-                               partial_dir=partial)
-    assert not out.exists() and not report.exists() and not out.with_suffix(".json").exists() and not partial.exists()
+    with pytest.raises(
+        ShardInvalid, match=f"shard {shard.shard_id} .*non-finite value at token 0.*quarantine"
+    ):
+        verify_extracted_shard(
+            out,
+            shard,
+            record,
+            FP,
+            PLAN["layer_ids"],
+            PLAN["hidden_size"],
+            "bfloat16",
+            report,
+            partial_dir=partial,
+        )
+    assert (
+        not out.exists()
+        and not report.exists()
+        and not out.with_suffix(".json").exists()
+        and not partial.exists()
+    )
     (moved,) = (out.parent / "quarantine").iterdir()
     assert (moved / out.name).is_file() and "non-finite" in (moved / "reason.txt").read_text()
     assert any((moved / "chunks").iterdir())

@@ -11,7 +11,7 @@ def test_cpu_rope_fix_rotates_3d_queries_like_the_reference():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-    from eagleflow.vllm_fixes import _gptj_rotate, cpu_rope_3d_is_wrong, fix_cpu_rope
+    from eagleflow.engine.vllm_fixes import _gptj_rotate, cpu_rope_3d_is_wrong, fix_cpu_rope
 
     assert fix_cpu_rope()
     assert not cpu_rope_3d_is_wrong()
@@ -23,7 +23,9 @@ def test_cpu_rope_fix_rotates_3d_queries_like_the_reference():
     q, latent = torch.randn(40, 4, 96), torch.randn(40, 1, 576)
     q_pe, k_pe = rope.forward_cpu(positions, q[..., 32:], latent[:, :, 512:])
     assert torch.allclose(q_pe.double(), _gptj_rotate(q[..., 32:], positions, 10000.0), atol=1e-4)
-    assert torch.allclose(k_pe.double(), _gptj_rotate(latent[:, :, 512:], positions, 10000.0), atol=1e-4)
+    assert torch.allclose(
+        k_pe.double(), _gptj_rotate(latent[:, :, 512:], positions, 10000.0), atol=1e-4
+    )
 
 
 def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
@@ -32,7 +34,9 @@ def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
     import subprocess
     import sys
 
-    code = ("from eagleflow.vllm_fixes import cpu_rope_3d_is_wrong; assert cpu_rope_3d_is_wrong(); "
-            "import eagleflow.fixed_worker; assert not cpu_rope_3d_is_wrong()")
+    code = (
+        "from eagleflow.engine.vllm_fixes import cpu_rope_3d_is_wrong; assert cpu_rope_3d_is_wrong(); "
+        "import eagleflow.engine.fixed_worker; assert not cpu_rope_3d_is_wrong()"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,23 +3,26 @@
 import json
 import os
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 from safetensors import safe_open
 
-from workflow_runner import SMALL, hidden_dir, snakemake
+from support.workflow_runner import SMALL, hidden_dir, snakemake
 
 
 def test_unknown_config_key_stops_the_run_naming_it(tmp_path):
-    proc = snakemake(tmp_path, "-n", "extract", config={"extract": {"tensor_paralel_size": 2}}, check=False)
+    proc = snakemake(
+        tmp_path, "-n", "extract", config={"extract": {"tensor_paralel_size": 2}}, check=False
+    )
     assert proc.returncode != 0
     assert "tensor_paralel_size" in proc.stderr + proc.stdout
 
 
 def test_bad_config_value_stops_the_run_naming_it(tmp_path):
-    proc = snakemake(tmp_path, "-n", "extract", config={"capture": {"strategy": "guess"}}, check=False)
+    proc = snakemake(
+        tmp_path, "-n", "extract", config={"capture": {"strategy": "guess"}}, check=False
+    )
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
     assert "guess" in out and "strategy" in out
@@ -42,11 +45,19 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
         assert meta["layer_id_convention"] == "vllm" and meta["fingerprint"] == fp_dir.name
         hs = f.get_tensor("hidden_states")
         assert hs.shape[1:] == (4, 256) and str(hs.dtype) == "torch.bfloat16"
-    lines = (extracted_workdir / "results" / "logs" / "extract" / fp_dir.name / f"{shard_id}.log").read_text().splitlines()
+    lines = (
+        (extracted_workdir / "results" / "logs" / "extract" / fp_dir.name / f"{shard_id}.log")
+        .read_text()
+        .splitlines()
+    )
     # The job's last line is its summary; only Python's resource tracker may speak after it, at exit.
-    (last,) = [i for i, line in enumerate(lines) if line.startswith(f"shard {shard_id}:") and "tok/s" in line]
+    (last,) = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith(f"shard {shard_id}:") and "tok/s" in line
+    ]
     assert "tok/s" in lines[last]
-    assert all("resource_tracker" in line or "warnings.warn" in line for line in lines[last + 1:])
+    assert all("resource_tracker" in line or "warnings.warn" in line for line in lines[last + 1 :])
     # No temporary or partial files are left behind.
     assert not list(fp_dir.glob("*.tmp")) and not any((fp_dir / ".partial").glob("*/chunk-*"))
 
@@ -54,8 +65,12 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
 @pytest.mark.vllm
 def test_rerun_does_nothing_even_after_touching_inputs(extracted_workdir):
     later = time.time() + 5
-    for p in [extracted_workdir / "resources" / "data" / "bundled-chat.jsonl",
-              *(extracted_workdir / "resources" / "targets" / "tiny-deepseek-v3").iterdir()]:
+    for p in [
+        extracted_workdir / "resources" / "data" / "bundled-chat.jsonl",
+        *(extracted_workdir / "resources" / "targets" / "tiny-deepseek-v3").iterdir(),
+    ]:
         os.utime(p, (later, later))
     proc = snakemake(extracted_workdir, "extract", config=SMALL)
-    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Nothing to be done" in proc.stdout + proc.stderr, (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )

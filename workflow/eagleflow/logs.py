@@ -33,4 +33,3 @@ def redirect_to_log(path: str | Path):
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
-

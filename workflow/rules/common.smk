@@ -15,11 +15,11 @@ os.environ.update(
     )
 )
 
-from eagleflow.integrity import check_finished_shards
-from eagleflow.fingerprint import config_fingerprint
-from eagleflow.layers import resolve_layer_ids
-from eagleflow.target import TOKENIZER_FILES, read_target
-from eagleflow.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
+from eagleflow.store.integrity import check_finished_shards
+from eagleflow.extract.fingerprint import config_fingerprint
+from eagleflow.target.layers import resolve_layer_ids
+from eagleflow.target.info import TOKENIZER_FILES, read_target
+from eagleflow.fixtures.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
 
 validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 

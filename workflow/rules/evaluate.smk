@@ -1,5 +1,5 @@
 # Evaluation: acceptance length of the exported draft on held-out prompts (chosen by content
-# hash, eagleflow.heldout), through vLLM (eagle3 + the n-gram baseline) and a plain-torch
+# hash, eagleflow.data.heldout), through vLLM (eagle3 + the n-gram baseline) and a plain-torch
 # reference loop. Outputs go under results/eval/{fp}/.
 
 EVAL_CFG = config["evaluate"]

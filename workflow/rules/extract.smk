@@ -1,7 +1,7 @@
 # One job per shard: load the target in vLLM once, prefill the shard, capture the planned
 # layers, commit chunks, write one safetensors file atomically, then verify it (keys, shapes,
 # dtypes, values, alignment with the tokenized shard): the report is written last, and a shard
-# that fails verification is moved to quarantine (eagleflow.verify.verify_extracted_shard).
+# that fails verification is moved to quarantine (eagleflow.store.verify.verify_extracted_shard).
 # Both inputs are content-addressed by their paths (the shard id hashes the tokens, the
 # fingerprint hashes what makes the tensors), so a newer mtime cannot mean new content:
 # they are ancient() and never trigger re-extraction.

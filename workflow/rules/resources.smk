@@ -1,13 +1,13 @@
 # Cluster resources, read by snakemake-executor-plugin-slurm (README, "On a SLURM cluster");
-# on one machine only `threads` matters. The logic is in eagleflow.resources.
-import eagleflow.resources as jobres
+# on one machine only `threads` matters. The logic is in eagleflow.extract.resources.
+import eagleflow.extract.resources as jobres
 
 EXTRACT = config["extract"]
 
 
 @cache
 def target_weight_bytes():
-    from eagleflow.target import bytes_per_weight, count_parameters
+    from eagleflow.target.info import bytes_per_weight, count_parameters
 
     info = read_target(TARGET)
     return int(count_parameters(info) * bytes_per_weight(info.text_config))

@@ -1,22 +1,27 @@
 import json
 import sys
 
-from eagleflow.extract import EngineSettings, extract_shard
-from eagleflow.capture import plan_path
+from eagleflow.capture.plan import plan_path
+from eagleflow.extract.shard import EngineSettings, extract_shard
 from eagleflow.logs import redirect_to_log
-from eagleflow.verify import ShardInvalid
+from eagleflow.store.verify import ShardInvalid
 
 
 def check_devices_here(settings, ext):
     """Device and memory checks where the job runs (validate_env may have run on a login node),
     for the configured device: a job given GPUs by SLURM still runs on `extract.device`."""
-    from eagleflow.target import bytes_per_weight, count_parameters, read_target
-    from eagleflow.validate_env import check_devices
+    from eagleflow.extract.preflight import check_devices
+    from eagleflow.target.info import bytes_per_weight, count_parameters, read_target
 
     info = read_target(settings.target)
     weight_bytes = int(count_parameters(info) * bytes_per_weight(info.text_config))
-    checks = check_devices(settings.device, settings.tensor_parallel_size, weight_bytes,
-                           ext["cpu_kvcache_space_gib"], ext["gpu_memory_utilization"])
+    checks = check_devices(
+        settings.device,
+        settings.tensor_parallel_size,
+        weight_bytes,
+        ext["cpu_kvcache_space_gib"],
+        ext["gpu_memory_utilization"],
+    )
     for check in checks:
         print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}")
     failed = [c.detail for c in checks if not c.ok]
@@ -44,8 +49,14 @@ def main():
         check_devices_here(settings, ext)
         try:
             record = extract_shard(
-                snakemake.input.tokens, plan, snakemake.wildcards.fp, snakemake.output.hidden,
-                snakemake.output.record, snakemake.output.report, settings, chunk_tokens=ext["chunk_tokens"],
+                snakemake.input.tokens,
+                plan,
+                snakemake.wildcards.fp,
+                snakemake.output.hidden,
+                snakemake.output.record,
+                snakemake.output.report,
+                settings,
+                chunk_tokens=ext["chunk_tokens"],
             )
         except ShardInvalid as e:
             sys.exit(str(e))

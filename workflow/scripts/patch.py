@@ -1,9 +1,9 @@
 import json
 
-from eagleflow.capture import make_plan
-from eagleflow.layers import resolve_layer_ids
+from eagleflow.capture.plan import make_plan
 from eagleflow.logs import redirect_to_log
-from eagleflow.target import read_target
+from eagleflow.target.info import read_target
+from eagleflow.target.layers import resolve_layer_ids
 
 with redirect_to_log(snakemake.log[0]):
     info = read_target(snakemake.params.target)
@@ -14,6 +14,8 @@ with redirect_to_log(snakemake.log[0]):
     plan["fingerprint"] = snakemake.wildcards.fp
     with open(snakemake.output[0], "w") as f:
         json.dump(plan, f, indent=1)
-    print(f"capture plan: strategy {plan['strategy']}, layer ids {plan['layer_ids']} ({plan['layer_id_convention']})")
+    print(
+        f"capture plan: strategy {plan['strategy']}, layer ids {plan['layer_ids']} ({plan['layer_id_convention']})"
+    )
     for check in plan["checks_passed"]:
         print(f"[ok] {check}")

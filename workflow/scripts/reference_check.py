@@ -5,8 +5,8 @@ from dataclasses import asdict
 import pandas as pd
 from safetensors import safe_open
 
+from eagleflow.capture.reference import check_shard_against_reference, load_reference_model
 from eagleflow.logs import redirect_to_log
-from eagleflow.reference import check_shard_against_reference, load_reference_model
 
 with redirect_to_log(snakemake.log[0]):
     model = load_reference_model(snakemake.params.target, device=snakemake.params.device)
@@ -19,15 +19,27 @@ with redirect_to_log(snakemake.log[0]):
             step = max(1, n // snakemake.params.samples_per_shard)
             samples = list(range(0, n, step))[: snakemake.params.samples_per_shard]
             stats = check_shard_against_reference(
-                model, f.get_tensor("hidden_states"), f.get_tensor("input_ids").numpy(), offsets,
-                json.loads(meta["layer_ids"]), samples,
+                model,
+                f.get_tensor("hidden_states"),
+                f.get_tensor("input_ids").numpy(),
+                offsets,
+                json.loads(meta["layer_ids"]),
+                samples,
             )
-        rows += [{"shard_id": meta["shard_id"], "samples": len(samples), **asdict(s), "ok": s.ok} for s in stats]
+        rows += [
+            {"shard_id": meta["shard_id"], "samples": len(samples), **asdict(s), "ok": s.ok}
+            for s in stats
+        ]
     table = pd.DataFrame(rows)
     table.to_csv(snakemake.output.table, sep="\t", index=False)
     print(table.to_string(index=False))
     if not table["ok"].all():
         bad = table[~table["ok"]]
-        sys.exit("reference_check: captured states differ from the reference: " + "; ".join(
-            f"shard {r.shard_id} layer {r.layer_id}: median rel err {r.median_rel_err:.3f}, "
-            f"cosine {r.mean_cosine:.4f}" for r in bad.itertuples()))
+        sys.exit(
+            "reference_check: captured states differ from the reference: "
+            + "; ".join(
+                f"shard {r.shard_id} layer {r.layer_id}: median rel err {r.median_rel_err:.3f}, "
+                f"cosine {r.mean_cosine:.4f}"
+                for r in bad.itertuples()
+            )
+        )

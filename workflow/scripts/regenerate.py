@@ -1,7 +1,7 @@
 import json
 
+from eagleflow.data.regenerate import regenerate_dataset
 from eagleflow.logs import redirect_to_log
-from eagleflow.regenerate import regenerate_dataset
 
 with redirect_to_log(snakemake.log[0]):
     summary = regenerate_dataset(

@@ -1,5 +1,5 @@
+from eagleflow.data.shards import shard_dataset
 from eagleflow.logs import redirect_to_log
-from eagleflow.shards import shard_dataset
 
 with redirect_to_log(snakemake.log[0]):
     shard_dataset(

@@ -1,8 +1,10 @@
-from eagleflow.conversations import read_conversations
+from eagleflow.data.conversations import read_conversations
+from eagleflow.fixtures.tiny_target import build_tiny_target, corpus_texts, describe
 from eagleflow.logs import redirect_to_log
-from eagleflow.tiny_target import build_tiny_target, corpus_texts, describe
 
 with redirect_to_log(snakemake.log[0]):
     conversations, _ = read_conversations(snakemake.input[0])
-    out = build_tiny_target(corpus_texts(conversations), snakemake.params.out_dir, seed=snakemake.params.seed)
+    out = build_tiny_target(
+        corpus_texts(conversations), snakemake.params.out_dir, seed=snakemake.params.seed
+    )
     print(f"built {out}: {describe(out)}")

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: the workflow runner, synthetic shards, fake vLLM classes."""

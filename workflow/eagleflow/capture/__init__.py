@@ -1,0 +1,1 @@
+"""How hidden states are captured: the checked plan, the worker hooks, vLLM's connector, the reference."""

@@ -1,0 +1,330 @@
+"""Runs inside vLLM's worker processes (`LLM(worker_extension_cls=...)`).
+
+The driver installs a wrapper around the model's forward (`eagleflow_install`), feeds the
+engine continuously (`LLMEngine.add_request` / `step`) and registers each chunk's engine
+request ids, lengths and expected tokens (`eagleflow_expect`). As soon as every request of a
+registered chunk has all its rows, the chunk is handed to a writer thread, which places the
+rows by the token positions the engine itself used, checks the engine's input ids against
+the expected tokens (whole-tensor comparisons, no loop over tokens), and writes the chunk
+file (temporary name, rename). So a row can never land in another request's sample, the
+engine never waits for a commit, and writing overlaps the next batches' prefill. At most two
+complete chunks wait for the writer (the forward blocks beyond that), so memory is bounded
+by the chunk size, not the shard size.
+
+Only TP rank 0 keeps states (they are replicated across TP ranks after the all-gathers in
+vLLM's forward); the other ranks copy nothing. A write error surfaces on the next call.
+Every error raised here carries the full worker traceback in its message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import queue
+import threading
+import time
+import traceback
+from itertools import islice
+
+import torch
+
+from eagleflow.engine.vllm_fixes import fix_cpu_rope
+from eagleflow.store.stream import StreamingWriter
+
+# Worker processes build the model after importing this module (TP > 1 on the CPU).
+fix_cpu_rope()
+
+
+def _surface_errors(fn):
+    """Re-raise worker errors with the whole traceback in the message (never an empty string)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with its traceback
+            raise RuntimeError(
+                f"eagleflow worker error in {fn.__name__}: {type(e).__name__}: {e}\n"
+                f"--- worker traceback ---\n{traceback.format_exc()}"
+            ) from None
+
+    return wrapper
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def patched_deepseek_v2_forward(inner, layer_ids, embedding_method):
+    """eagleflow's replica of DeepseekV2Model.forward (single pipeline stage) that also
+    returns the residual stream entering each captured layer; id L = final pre-norm state."""
+    from vllm.model_executor.models.deepseek_v2 import _get_llama_4_scaling
+
+    wanted = set(layer_ids)
+    num_layers = len(inner.layers)
+
+    def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if intermediate_tensors is not None:
+            raise NotImplementedError("patched_forward supports one pipeline stage only")
+        hidden = (
+            inputs_embeds
+            if inputs_embeds is not None
+            else getattr(inner, embedding_method)(input_ids)
+        )
+        residual = None
+        scaling_cfg = getattr(inner.config, "llama_4_scaling", None)
+        scaling = None
+        if scaling_cfg is not None:
+            scaling = _get_llama_4_scaling(
+                original_max_position_embeddings=scaling_cfg["original_max_position_embeddings"],
+                scaling_beta=scaling_cfg["beta"],
+                positions=positions,
+            )
+        aux = []
+        for idx, layer in enumerate(islice(inner.layers, 0, num_layers)):
+            if idx in wanted:
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual, scaling)
+        if num_layers in wanted:
+            aux.append(hidden + residual)
+        hidden, _ = inner.norm(hidden, residual)
+        return hidden, aux
+
+    return forward
+
+
+class CaptureExtension:
+    """Mixed into vLLM's worker class; methods are called through `LLM.collective_rpc`."""
+
+    @_surface_errors
+    def eagleflow_install(self, plan: dict) -> dict:
+        model = self.model_runner.model
+        self._ef_plan = plan
+        self._ef_rows: dict[str, list] = {}  # engine request id -> [(positions, ids, states)]
+        self._ef_counts: dict[str, int] = {}  # engine request id -> rows kept so far
+        self._ef_expected: list[dict] = []  # registered chunks still missing rows, in order
+        self._ef_write_error: str | None = None
+        self._ef_rank0 = _tp_rank() == 0
+        # Seconds spent in device->host copies (on the forward path) and in assembling and
+        # writing chunk files (on the writer thread, overlapping the next batches' prefill).
+        self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
+        self._ef_queue: queue.Queue = queue.Queue(maxsize=2)
+        self._ef_writer = threading.Thread(
+            target=self._ef_writer_loop, name="eagleflow-chunk-writer", daemon=True
+        )
+        self._ef_writer.start()
+        layer_ids = tuple(plan["layer_ids"])
+        # A multimodal wrapper (Kimi-K2.5) keeps its text model under `language_model` and
+        # delegates set_aux_hidden_state_layers and forward to it.
+        inner = getattr(model, "language_model", model).model
+        if plan["strategy"] == "extract_hidden_states":
+            # vLLM itself set the aux layers from the speculative config, and its connector writes
+            # the files: nothing to wrap, only check that the engine captures the planned ids.
+            found = tuple(getattr(inner, "aux_hidden_state_layers", ()))
+            if found != layer_ids:
+                raise RuntimeError(
+                    f"extract_hidden_states: the engine captures layer ids {list(found)}, "
+                    f"the plan asks for {list(layer_ids)}"
+                )
+            self._ef_undo = lambda: None
+            return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
+        if plan["strategy"] == "aux_layers":
+            model.set_aux_hidden_state_layers(layer_ids)
+            self._ef_undo = lambda: model.set_aux_hidden_state_layers(())
+            inner_call = None
+        elif plan["strategy"] == "patched_forward":
+            inner_call = patched_deepseek_v2_forward(inner, layer_ids, plan["embedding_method"])
+            self._ef_undo = lambda: None
+        else:
+            raise ValueError(f"unknown capture strategy {plan['strategy']!r}")
+        original = model.forward
+
+        def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+            if inner_call is not None:
+                out = inner_call(input_ids, positions, intermediate_tensors, inputs_embeds)
+            else:
+                out = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            hidden, aux = out
+            if self._ef_rank0:
+                self._ef_keep(input_ids, positions, aux)
+            return hidden
+
+        # An instance attribute shadows the class's forward; deleting it restores vLLM's own.
+        model.forward = forward
+        return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
+
+    def _ef_keep(self, input_ids, positions, aux):
+        runner = self.model_runner
+        num_reqs = runner.input_batch.num_reqs
+        if num_reqs == 0:
+            return  # warm-up / dummy run
+        req_ids = runner.input_batch.req_ids[:num_reqs]
+        bounds = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+        n = bounds[-1]
+        if len(aux) != len(self._ef_plan["layer_ids"]):
+            raise RuntimeError(
+                f"the model returned {len(aux)} aux states for layer ids {self._ef_plan['layer_ids']}"
+            )
+        t0 = time.perf_counter()
+        # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because
+        # on CPU `.to("cpu")` would alias the runner's persistent input buffers.
+        states = torch.stack([a[:n] for a in aux], dim=1).to("cpu")
+        pos = positions[:n].to("cpu", copy=True)
+        ids = input_ids[:n].to("cpu", copy=True)
+        self._ef_stats["d2h_copy"] += time.perf_counter() - t0
+        for i, rid in enumerate(req_ids):
+            a, b = bounds[i], bounds[i + 1]
+            if b > a:
+                self._ef_rows.setdefault(rid, []).append((pos[a:b], ids[a:b], states[a:b]))
+                self._ef_counts[rid] = self._ef_counts.get(rid, 0) + (b - a)
+        self._ef_hand_over()
+
+    def _ef_hand_over(self):
+        """Queue every registered chunk whose requests all have their rows for the writer."""
+        missing = []
+        for spec in self._ef_expected:
+            if all(
+                self._ef_counts.get(r, 0) >= n for r, n in zip(spec["requests"], spec["lengths"])
+            ):
+                pieces = [self._ef_rows.pop(r) for r in spec["requests"]]
+                for r in spec["requests"]:
+                    del self._ef_counts[r]
+                self._ef_queue.put((spec, pieces))  # blocks while two chunks wait: bounded memory
+            else:
+                missing.append(spec)
+        self._ef_expected = missing
+
+    def _ef_writer_loop(self):
+        while True:
+            item = self._ef_queue.get()
+            try:
+                if item is None:
+                    return
+                if self._ef_write_error is None:  # after an error, drop chunks until it is reported
+                    t0 = time.perf_counter()
+                    self._ef_write_chunk(*item)
+                    self._ef_stats["chunk_write"] += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - reported on the next call
+                self._ef_write_error = traceback.format_exc()
+            finally:
+                self._ef_queue.task_done()
+
+    @staticmethod
+    def _ef_write_chunk(spec: dict, pieces: list) -> None:
+        """Place each request's rows by position, check them and the engine's input ids, write."""
+        n_tok = sum(spec["lengths"])
+        first = pieces[0][0][2]
+        hidden = torch.empty((n_tok, *first.shape[1:]), dtype=first.dtype)
+        input_ids = torch.empty(n_tok, dtype=torch.int64)
+        row = 0
+        for rid, length, parts in zip(spec["requests"], spec["lengths"], pieces):
+            pos, ids, states = (torch.cat(x) for x in zip(*parts)) if len(parts) > 1 else parts[0]
+            want = torch.arange(length, dtype=pos.dtype)
+            if not torch.equal(pos, want):
+                keep = pos < length  # drop any decode step scheduled past the prompt
+                order = torch.argsort(pos[keep])
+                pos, ids, states = pos[keep][order], ids[keep][order], states[keep][order]
+                if not torch.equal(pos, want):
+                    raise RuntimeError(
+                        f"request {rid}: captured positions do not cover 0..{length - 1} exactly once "
+                        f"(got {len(pos)} rows; prefix caching must be off)"
+                    )
+            hidden[row : row + length] = states
+            input_ids[row : row + length] = ids
+            row += length
+        expected = torch.frombuffer(bytearray(spec["token_bytes"]), dtype=torch.int64)
+        if not torch.equal(input_ids, expected):
+            bad = int((input_ids != expected).nonzero()[0])
+            starts = torch.cumsum(torch.tensor([0, *spec["lengths"]]), 0)
+            rid = spec["requests"][int(torch.searchsorted(starts, bad, right=True)) - 1]
+            raise RuntimeError(
+                f"request {rid}: the engine's input ids differ from the sample's tokens"
+            )
+        layout = [
+            ("hidden_states", hidden.dtype, tuple(hidden.shape)),
+            ("input_ids", torch.int64, (n_tok,)),
+        ]
+        writer = StreamingWriter(
+            spec["path"],
+            layout,
+            {k: json.dumps(v) for k, v in spec["metadata"].items()},
+            digest=False,
+        )
+        try:
+            writer.write("hidden_states", hidden)
+            writer.write("input_ids", input_ids)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _ef_raise_write_error(self):
+        if self._ef_write_error is not None:
+            err, self._ef_write_error = self._ef_write_error, None
+            raise RuntimeError(f"writing a chunk failed:\n{err}")
+
+    @_surface_errors
+    def eagleflow_expect(
+        self,
+        chunk: int,
+        request_ids: list[str],
+        lengths: list[int],
+        token_bytes: bytes,
+        path: str,
+        metadata: dict,
+    ) -> int:
+        """Register chunk `chunk`: the engine request ids of its samples (in order), their
+        lengths, the expected tokens (int64 bytes) and the file to write once all rows are in."""
+        self._ef_raise_write_error()
+        if not self._ef_rank0:
+            return 0
+        if len(token_bytes) != 8 * sum(lengths):
+            raise ValueError(
+                f"chunk {chunk}: {len(token_bytes)} bytes of tokens for {sum(lengths)} tokens"
+            )
+        self._ef_expected.append(
+            {
+                "chunk": chunk,
+                "requests": list(request_ids),
+                "lengths": list(lengths),
+                "token_bytes": token_bytes,
+                "path": path,
+                "metadata": metadata,
+            }
+        )
+        self._ef_hand_over()  # rows may already be in
+        return sum(lengths)
+
+    @_surface_errors
+    def eagleflow_finish(self) -> dict:
+        """Wait until every registered chunk is written; return (and reset) the worker's timings."""
+        if self._ef_expected:
+            spec = self._ef_expected[0]
+            short = [
+                r
+                for r, n in zip(spec["requests"], spec["lengths"])
+                if self._ef_counts.get(r, 0) < n
+            ]
+            raise RuntimeError(
+                f"chunk {spec['chunk']}: no complete rows for requests {short[:5]} "
+                f"({len(self._ef_expected)} chunks incomplete)"
+            )
+        self._ef_queue.join()
+        self._ef_raise_write_error()
+        self._ef_rows.clear()  # rows of requests no chunk claimed
+        self._ef_counts.clear()
+        stats, self._ef_stats = self._ef_stats, {k: 0.0 for k in self._ef_stats}
+        return stats
+
+    @_surface_errors
+    def eagleflow_uninstall(self) -> None:
+        self._ef_queue.put(None)
+        self._ef_writer.join()
+        model = self.model_runner.model
+        if "forward" in vars(model):
+            del model.forward
+        self._ef_undo()
+        self._ef_rows, self._ef_counts, self._ef_expected = {}, {}, []
+        self._ef_raise_write_error()

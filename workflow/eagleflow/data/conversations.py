@@ -1,0 +1,170 @@
+"""Reading chat datasets (JSONL, JSON, Parquet; OpenAI and ShareGPT layouts) into one form.
+
+Every row becomes either a `Conversation` or a `BadRow` naming file, row and reason:
+nothing disappears silently. What to do with bad rows is the caller's decision
+(`on_bad_row: error | skip`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+# ShareGPT speaker names -> OpenAI roles.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
+ROLES = {"system", "user", "assistant"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    sample_id: str
+    messages: tuple[dict, ...]  # OpenAI form: ({"role": ..., "content": ...}, ...)
+    source_file: str
+    source_row: int  # 1-based line (JSONL) or 0-based record index (JSON, Parquet)
+
+
+@dataclass(frozen=True)
+class BadRow:
+    source_file: str
+    source_row: int
+    reason: str
+    raw: str
+
+    def message(self) -> str:
+        return (
+            f"{self.source_file}, row {self.source_row}: {self.reason}. Fix the row, or set "
+            "`data.on_bad_row: skip` to write such rows to the rejects file and go on."
+        )
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def _records(path: Path):
+    """Yield (row_number, record or parse-error string, raw text)."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line), line.rstrip("\n")
+                except json.JSONDecodeError as e:
+                    yield lineno, f"malformed JSON ({e.msg} at column {e.colno})", line.rstrip("\n")
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from e
+        if not isinstance(data, list):
+            raise DatasetError(f"{path}: a .json dataset must hold a list of conversations")
+        for i, record in enumerate(data):
+            yield i, record, json.dumps(record)[:2000]
+    elif suffix == ".parquet":
+        for i, record in enumerate(pd.read_parquet(path).to_dict(orient="records")):
+            record = {k: _plain(v) for k, v in record.items()}
+            yield i, record, json.dumps(record, default=str)[:2000]
+    else:
+        raise DatasetError(
+            f"{path}: unknown dataset format {suffix!r}; use .jsonl, .json or .parquet"
+        )
+
+
+def _plain(value):
+    """Parquet gives numpy arrays for list columns; turn them back into lists and dicts."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[dict, ...]:
+    """OpenAI `messages`, ShareGPT `conversations` or MT-Bench `turns` (a list of user turns)
+    -> OpenAI messages; ValueError says why not. Prompt-only rows (no assistant turn: `turns`,
+    or messages without one) pass only with `require_assistant=False` (response regeneration
+    completes them)."""
+    if "turns" in record and "messages" not in record and "conversations" not in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("empty `turns`")
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, str):
+                raise ValueError(f"turn {i} of `turns` is not a string")
+        record = {"messages": [{"role": "user", "content": t} for t in turns]}
+    if "messages" in record:
+        turns, role_key, text_key, names = record["messages"], "role", "content", None
+    elif "conversations" in record:
+        turns, role_key, text_key, names = record["conversations"], "from", "value", SHAREGPT_ROLES
+    else:
+        raise ValueError(
+            "no `messages` (OpenAI), `conversations` (ShareGPT) or `turns` (prompts) field"
+        )
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("empty conversation")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise ValueError(f"turn {i} lacks `{role_key}` or `{text_key}`")
+        speaker = turn[role_key]
+        role = names.get(speaker) if names is not None else (speaker if speaker in ROLES else None)
+        if role is None:
+            raise ValueError(f"turn {i} has unknown role {speaker!r}")
+        if not isinstance(turn[text_key], str):
+            raise ValueError(f"turn {i} content is not a string")
+        messages.append({"role": role, "content": turn[text_key]})
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant turn")  # prompt-only rows: data.regenerate.enabled
+    if not require_assistant and not any(m["role"] == "user" for m in messages):
+        raise ValueError("no user turn to answer")
+    return tuple(messages)
+
+
+def content_id(messages: tuple[dict, ...]) -> str:
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_conversations(
+    path: str | Path, require_assistant: bool = True
+) -> tuple[list[Conversation], list[BadRow]]:
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"{path}: dataset file not found; set `data.path` in the config")
+    good, bad, seen = [], [], set()
+    for row, record, raw in _records(path):
+        if isinstance(record, str):
+            bad.append(BadRow(str(path), row, record, raw))
+            continue
+        if not isinstance(record, dict):
+            bad.append(BadRow(str(path), row, "row is not a JSON object", raw))
+            continue
+        try:
+            messages = normalize_messages(record, require_assistant)
+        except ValueError as e:
+            bad.append(BadRow(str(path), row, str(e), raw))
+            continue
+        given = record.get("id", record.get("question_id"))
+        sample_id = str(given) if given is not None else content_id(messages)
+        if sample_id in seen:
+            bad.append(BadRow(str(path), row, f"duplicate sample id {sample_id!r}", raw))
+            continue
+        seen.add(sample_id)
+        good.append(Conversation(sample_id, messages, str(path), row))
+    return good, bad

@@ -1,0 +1,193 @@
+"""Tokenized shards: content-addressed token files plus a Parquet manifest.
+
+A shard is `shard_size` consecutive samples in dataset order, so appending samples leaves
+every full shard as it was and editing a sample changes only its own shard. Its id is a hash
+of what it holds (sample ids, tokens, masks) and of the tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagleflow.data.conversations import Conversation
+from eagleflow.data.templating import Tokenized
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    shard_id: str
+    sample_ids: list[str]
+    input_ids: np.ndarray  # int64 [total_tokens]
+    loss_mask: np.ndarray  # uint8 [total_tokens]
+    offsets: np.ndarray  # int64 [n_samples + 1]
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.input_ids[a:b], self.loss_mask[a:b]
+
+
+def shard_id_for(sample_ids, tokenized: list[Tokenized], tokenizer_digest: str) -> str:
+    h = hashlib.sha256()
+    h.update(tokenizer_digest.encode())
+    for sid, t in zip(sample_ids, tokenized):
+        h.update(sid.encode() + b"\0")
+        h.update(np.int64(len(t.input_ids)).tobytes())
+        h.update(t.input_ids.astype(np.int64).tobytes())
+        h.update(t.loss_mask.astype(np.uint8).tobytes())
+    return h.hexdigest()[:20]
+
+
+def build_shards(
+    conversations: list[Conversation],
+    tokenized: list[Tokenized],
+    shard_size: int,
+    tokenizer_digest: str,
+) -> list[TokenShard]:
+    shards = []
+    for start in range(0, len(conversations), shard_size):
+        convs = conversations[start : start + shard_size]
+        toks = tokenized[start : start + shard_size]
+        sample_ids = [c.sample_id for c in convs]
+        lengths = np.array([len(t.input_ids) for t in toks], dtype=np.int64)
+        shards.append(
+            TokenShard(
+                shard_id=shard_id_for(sample_ids, toks, tokenizer_digest),
+                sample_ids=sample_ids,
+                input_ids=np.concatenate([t.input_ids for t in toks]).astype(np.int64),
+                loss_mask=np.concatenate([t.loss_mask for t in toks]).astype(np.uint8),
+                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            )
+        )
+    return shards
+
+
+def write_token_shard(shard: TokenShard, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(
+        {
+            "input_ids": torch.from_numpy(shard.input_ids),
+            "loss_mask": torch.from_numpy(shard.loss_mask),
+            "offsets": torch.from_numpy(shard.offsets),
+        },
+        str(tmp),
+        metadata={"shard_id": shard.shard_id, "sample_ids": json.dumps(shard.sample_ids)},
+    )
+    tmp.replace(path)
+
+
+def read_token_shard(path: str | Path) -> TokenShard:
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+        return TokenShard(
+            shard_id=meta["shard_id"],
+            sample_ids=json.loads(meta["sample_ids"]),
+            input_ids=f.get_tensor("input_ids"),
+            loss_mask=f.get_tensor("loss_mask"),
+            offsets=f.get_tensor("offsets"),
+        )
+
+
+def manifest_frame(conversations: list[Conversation], shards: list[TokenShard]) -> pd.DataFrame:
+    rows = []
+    i = 0
+    for shard in shards:
+        for j, sid in enumerate(shard.sample_ids):
+            conv = conversations[i]
+            rows.append(
+                {
+                    "sample_id": sid,
+                    "shard_id": shard.shard_id,
+                    "n_tokens": int(shard.offsets[j + 1] - shard.offsets[j]),
+                    "n_loss_tokens": int(
+                        shard.loss_mask[shard.offsets[j] : shard.offsets[j + 1]].sum()
+                    ),
+                    "source_file": conv.source_file,
+                    "source_row": conv.source_row,
+                }
+            )
+            i += 1
+    return pd.DataFrame(rows)
+
+
+def shard_dataset(
+    dataset_path,
+    tokenizer_dir,
+    tokens_dir,
+    manifest_path,
+    rejects_path,
+    shard_size: int,
+    max_length: int,
+    on_bad_row: str,
+    log=print,
+) -> dict:
+    """Read, template, mask, truncate and shard a dataset; write token shards, manifest, rejects."""
+    from transformers import AutoTokenizer
+
+    from eagleflow.data.conversations import BadRow, DatasetError, read_conversations
+    from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    conversations, bad = read_conversations(dataset_path)
+    kept, tokenized = [], []
+    for conv in conversations:
+        t = tokenize_conversation(tokenizer, conv.messages, max_length)
+        if not t.loss_mask.any():
+            bad.append(
+                BadRow(
+                    conv.source_file,
+                    conv.source_row,
+                    f"no assistant tokens within the first {max_length} tokens",
+                    conv.sample_id,
+                )
+            )
+            continue
+        kept.append(conv)
+        tokenized.append(t)
+    bad.sort(key=lambda b: b.source_row)
+    if bad and on_bad_row == "error":
+        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
+    if not kept:
+        raise DatasetError(f"{dataset_path}: no usable conversations")
+    shards = build_shards(kept, tokenized, shard_size, tokenizer_digest(tokenizer))
+    tokens_dir = Path(tokens_dir)
+    tokens_dir.mkdir(parents=True, exist_ok=True)
+    for shard in shards:
+        write_token_shard(shard, tokens_dir / f"{shard.shard_id}.safetensors")
+    frame = manifest_frame(kept, shards)
+    tmp = Path(str(manifest_path) + ".tmp")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(manifest_path)
+    pd.DataFrame(
+        [
+            {
+                "source_file": b.source_file,
+                "source_row": b.source_row,
+                "reason": b.reason,
+                "raw": b.raw,
+            }
+            for b in bad
+        ],
+        columns=["source_file", "source_row", "reason", "raw"],
+    ).to_json(rejects_path, orient="records", lines=True)
+    summary = {
+        "conversations": len(kept),
+        "rejected": len(bad),
+        "shards": len(shards),
+        "tokens": int(frame["n_tokens"].sum()),
+        "loss_tokens": int(frame["n_loss_tokens"].sum()),
+    }
+    log(
+        f"sharded {dataset_path}: {summary}"
+        + (f"; {len(bad)} bad rows written to {rejects_path}" if bad else "")
+    )
+    return summary

@@ -1,0 +1,373 @@
+"""Acceptance length of an exported EAGLE-3 draft on held-out prompts.
+
+Three measurements on the same prompts (chat template applied, greedy, same max tokens):
+
+- `vllm_eagle3`: target + exported draft in vLLM (`speculative_config` method `eagle3`),
+  counters from vLLM's own metrics (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`,
+  `_num_accepted_tokens`, `_num_accepted_tokens_per_pos`), run in a subprocess
+  (`eagleflow.draft.spec_decode_check`).
+- `vllm_ngram`: the same prompts with vLLM's n-gram (prompt lookup) speculation, the baseline.
+- `reference`: a faithful plain-torch loop, no vLLM: transformers' target gives greedy tokens
+  and the aux hidden states (HF `hidden_states[k]` = input of layer k = vLLM id k); the
+  exported draft (loaded from the export directory, as vLLM loads it) proposes k tokens
+  greedily the way vLLM's proposer does (step 0 over the whole prefix, later steps on the
+  last position with the previous step's pre-norm output); the target checks them; accepted
+  drafts plus the target's own next token are appended. Counters as vLLM defines them.
+
+acceptance length = 1 + accepted / drafts (tokens per target forward);
+per-position rate p_i = accepted at position i / drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagleflow.data.conversations import read_conversations
+from eagleflow.data.heldout import HELDOUT_MODULUS, heldout_prompts
+
+
+def load_prompts(
+    dataset, tokenizer_dir, limit: int = 32, modulus: int = HELDOUT_MODULUS
+) -> list[dict]:
+    """Held-out prompts (`eagleflow.data.heldout`), chat template + generation prompt, as token ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    conversations, _ = read_conversations(dataset, require_assistant=False)  # prompt-only rows too
+    out = []
+    for p in heldout_prompts(conversations, modulus, limit):
+        ids = tok.apply_chat_template(
+            p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        out.append({**p, "prompt_token_ids": list(ids)})
+    return out
+
+
+def summarize(counters: dict, k: int) -> dict:
+    drafts = int(counters.get("num_drafts", 0))
+    accepted = int(counters.get("num_accepted_tokens", 0))
+    per_pos = list(counters.get("num_accepted_tokens_per_pos", [0] * k))
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": int(counters.get("num_draft_tokens", 0)),
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": [int(x) for x in per_pos],
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_rate_per_pos": [x / drafts for x in per_pos] if drafts else None,
+    }
+
+
+# ---------------------------------------------------------------- the reference loop
+
+
+class HFTarget:
+    """transformers' target: greedy next tokens and the aux states at every position."""
+
+    def __init__(self, target_dir, aux_ids, dtype=torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+        self.aux_ids = list(aux_ids)
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int]):
+        out = self.model(torch.tensor([ids]), output_hidden_states=True)
+        greedy = out.logits[0].argmax(-1)
+        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_ids], dim=-1).float()
+        return greedy, aux
+
+
+@torch.no_grad()
+def propose(draft, aux: torch.Tensor, shifted: torch.Tensor, k: int) -> list[int]:
+    """k greedy draft tokens (target ids) after the last position, as vLLM's proposer drafts:
+    anchors 0..n-1 read aux[t] and shifted[t] (= token t+1, the last one the target's newest
+    token); step j >= 1 feeds the step j-1 proposal. Only the last anchor's steps matter, and
+    its step j sees the step-0 keys of the prefix plus its own earlier steps (the same KV
+    cache vLLM holds), so `ttt_forward` with the proposals in the last column is exact."""
+    n = aux.shape[0]
+    target_ids = torch.arange(draft.cfg.draft_vocab_size) + draft.d2t
+    positions = torch.arange(n) + 1
+    doc = torch.zeros(n, dtype=torch.long)
+    tokens = shifted.unsqueeze(0).repeat(k, 1)
+    proposals = []
+    for j in range(k):
+        logits = draft.ttt_forward(aux, tokens[: j + 1], positions, doc, j + 1)[j][-1]
+        tok = int(target_ids[int(logits.argmax())])
+        proposals.append(tok)
+        if j + 1 < k:
+            tokens[j + 1, -1] = tok
+    return proposals
+
+
+def reference_acceptance(
+    target, draft, prompts, k: int = 3, max_tokens: int = 32, eos_token_id: int | None = None
+) -> dict:
+    """The loop described in the module docstring; counters as vLLM's, plus texts' token ids."""
+    drafts = accepted = 0
+    per_pos = [0] * k
+    outputs = []
+    for p in prompts:
+        ids = list(p["prompt_token_ids"])
+        n_prompt = len(ids)
+        greedy, aux = target(ids)
+        ids.append(int(greedy[-1]))  # prefill: the target's first token, no draft yet
+        while len(ids) - n_prompt < max_tokens and ids[-1] != eos_token_id:
+            # aux of positions 0..len-2 (the newest token has no target state yet)
+            proposal = propose(draft, aux[: len(ids) - 1], torch.tensor(ids[1:]), k)
+            greedy, aux = target(ids + proposal)
+            check = greedy[len(ids) - 1 :].tolist()  # target's tokens after ids, ids+d1, ...
+            a = 0
+            while a < k and proposal[a] == check[a]:
+                a += 1
+            drafts += 1
+            accepted += a
+            for i in range(a):
+                per_pos[i] += 1
+            new = proposal[:a] + [check[a]]
+            if eos_token_id in new:
+                new = new[: new.index(eos_token_id) + 1]
+            ids += new[: max_tokens - (len(ids) - n_prompt)]
+        outputs.append(ids[n_prompt:])
+    counters = {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafts * k,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+    }
+    return {**summarize(counters, k), "output_token_ids": outputs}
+
+
+def load_export(export_dir):
+    """The exported draft as an `Eagle3Draft` (fp32), from config.json + model.safetensors."""
+    from safetensors.torch import load_file
+
+    from eagleflow.draft.model import DraftConfig, Eagle3Draft
+
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    tl = cfg["transformer_layer_config"]
+    weights = load_file(str(Path(export_dir) / "model.safetensors"))
+    dc = DraftConfig(
+        hidden_size=tl["hidden_size"],
+        intermediate_size=tl["intermediate_size"],
+        num_attention_heads=tl["num_attention_heads"],
+        num_key_value_heads=tl["num_key_value_heads"],
+        head_dim=tl["head_dim"],
+        vocab_size=tl["vocab_size"],
+        draft_vocab_size=cfg["draft_vocab_size"],
+        num_aux=len(cfg["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=tl["rms_norm_eps"],
+        rope_theta=tl["rope_theta"],
+        max_position_embeddings=tl["max_position_embeddings"],
+        norm_before_residual=cfg.get("norm_before_residual", True),
+    )
+    draft = Eagle3Draft(dc)
+    draft.load_state_dict(
+        {k: (v.float() if v.is_floating_point() else v) for k, v in weights.items()}
+    )
+    return draft.eval(), cfg
+
+
+def run_reference(target_dir, export_dir, prompts, k: int = 3, max_tokens: int = 32) -> dict:
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    draft, cfg = load_export(export_dir)
+    target = HFTarget(target_dir, cfg["eagle_aux_hidden_state_layer_ids"])
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    result = reference_acceptance(target, draft, prompts, k, max_tokens, tok.eos_token_id)
+    result["texts"] = [tok.decode(o, skip_special_tokens=True) for o in result["output_token_ids"]]
+    result["seconds"] = round(time.time() - t0, 1)
+    return result
+
+
+# ---------------------------------------------------------------- vLLM (subprocess)
+
+
+def run_vllm(
+    method: str,
+    target_dir,
+    prompts,
+    k: int,
+    max_tokens: int,
+    draft_dir=None,
+    no_mla: bool = True,
+    workdir=None,
+    timeout: int = 900,
+    log=None,
+) -> dict:
+    """`eagleflow.draft.spec_decode_check` in a subprocess; returns its JSON or {"error": ...}."""
+    import tempfile
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="eagleflow-acc-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    prompt_file = workdir / f"{method}.prompts.json"
+    prompt_file.write_text(json.dumps([p["prompt_token_ids"] for p in prompts]))
+    out = workdir / f"{method}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagleflow.draft.spec_decode_check",
+        "--method",
+        method,
+        "--target",
+        str(target_dir),
+        "--k",
+        str(k),
+        "--max-tokens",
+        str(max_tokens),
+        "--prompt-ids",
+        str(prompt_file),
+        "--stop-at-eos",
+        "--out",
+        str(out),
+    ]
+    if draft_dir is not None:
+        cmd += ["--draft", str(draft_dir)]
+    if not no_mla:
+        cmd.append("--mla")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1])] + [x for x in [env.get("PYTHONPATH")] if x]
+    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if log is not None:
+        log.write(proc.stdout[-20000:] + proc.stderr[-20000:])
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
+    result = json.loads(out.read_text())
+    result.update(summarize(result["counters"], k))
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far a path's greedy tokens follow the reference loop's (fp32 transformers target):
+    the share of prompts with identical outputs, and of reference tokens before the first
+    difference. Speculation never changes greedy output, so a low figure means the engine's
+    target computes something else (as a spawned engine core without eagleflow's CPU rope fix
+    did); bf16 against fp32 accounts for a few late divergences."""
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs against {len(reference)} reference outputs")
+    identical = prefix = total = 0
+    for out, ref in zip(outputs, reference):
+        n = 0
+        while n < min(len(out), len(ref)) and out[n] == ref[n]:
+            n += 1
+        identical += out == ref
+        prefix += n
+        total += len(ref)
+    return {
+        "identical_prompts": identical / len(reference),
+        "tokens_before_divergence": prefix / total,
+    }
+
+
+def plot(results: dict, k: int, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [n for n, r in results.items() if r.get("acceptance_length") is not None]
+    ax_len.bar(names, [results[n]["acceptance_length"] for n in names], color="tab:blue")
+    ax_len.axhline(1.0, color="gray", lw=0.8)
+    ax_len.set(
+        ylabel="acceptance length (tokens / target step)",
+        ylim=(0, k + 1),
+        title=f"acceptance length, k={k}",
+    )
+    for n in names:
+        ax_pos.plot(range(1, k + 1), results[n]["acceptance_rate_per_pos"], marker="o", label=n)
+    ax_pos.set(
+        xlabel="draft position",
+        ylabel="accepted / drafts",
+        ylim=(0, 1),
+        xticks=range(1, k + 1),
+        title="per-position acceptance",
+    )
+    ax_pos.legend()
+    failed = [n for n, r in results.items() if r.get("error")]
+    if failed:
+        fig.text(0.01, 0.01, "failed: " + ", ".join(failed), fontsize=8, color="red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def evaluate(
+    target_dir,
+    export_dir,
+    dataset,
+    out_json,
+    out_png,
+    k: int = 3,
+    max_tokens: int = 32,
+    num_prompts: int = 32,
+    modulus: int = HELDOUT_MODULUS,
+    paths=("vllm_eagle3", "vllm_ngram", "reference"),
+    no_mla: bool = True,
+    workdir=None,
+    log=print,
+) -> dict:
+    prompts = load_prompts(dataset, target_dir, num_prompts, modulus)
+    log(f"{len(prompts)} held-out prompts (sha256(sample_id) % {modulus} == 0), k={k}")
+    results = {}
+    for name in paths:
+        t0 = time.time()
+        try:
+            if name == "reference":
+                results[name] = run_reference(target_dir, export_dir, prompts, k, max_tokens)
+            elif name == "vllm_eagle3":
+                results[name] = run_vllm(
+                    "eagle3", target_dir, prompts, k, max_tokens, export_dir, no_mla, workdir
+                )
+            elif name == "vllm_ngram":
+                results[name] = run_vllm(
+                    "ngram", target_dir, prompts, k, max_tokens, None, no_mla, workdir
+                )
+            else:
+                raise ValueError(f"unknown path {name}")
+        except Exception as e:  # a failing path is reported, the others still measured
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results[name]["wall_s"] = round(time.time() - t0, 1)
+        log(
+            f"{name}: "
+            + json.dumps(
+                {
+                    x: results[name].get(x)
+                    for x in ("acceptance_length", "acceptance_rate_per_pos", "num_drafts", "error")
+                }
+            )
+        )
+    reference = results.get("reference", {}).get("output_token_ids")
+    for name, r in results.items():
+        if reference is not None and name != "reference" and "output_token_ids" in r:
+            r["greedy_agreement_with_reference"] = greedy_agreement(
+                r["output_token_ids"], reference
+            )
+            log(
+                f"{name} greedy agreement with the reference: {r['greedy_agreement_with_reference']}"
+            )
+    report = {
+        "k": k,
+        "max_tokens": max_tokens,
+        "target": str(target_dir),
+        "draft": str(export_dir),
+        "heldout": {"modulus": modulus, "sample_ids": [p["sample_id"] for p in prompts]},
+        "vllm_mla_disabled": no_mla,
+        "results": results,
+    }
+    Path(out_json).write_text(json.dumps(report, indent=1))
+    plot(results, k, out_png)
+    return report

@@ -1,0 +1,1 @@
+"""The vLLM engine: settings, the one builder, fixes for the installed vLLM, worker extensions."""

@@ -1,0 +1,1 @@
+"""Extraction of shards: preflight checks, fingerprint, per-shard extraction, job sizes, progress."""

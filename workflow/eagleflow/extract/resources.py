@@ -1,0 +1,104 @@
+"""What each job asks a cluster scheduler for (SLURM through snakemake-executor-plugin-slurm):
+GPUs, CPUs, memory and a runtime estimated from the shard's token count and the measured
+throughput of shards already extracted. Pure functions of the config and small files."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from eagleflow.store.headers import read_header
+
+# Defaults when the config leaves them null (see workflow/schemas/config.schema.yaml).
+CPUS_PER_GPU = 8
+MEM_MB_PER_GPU = 64000
+# Host RAM beyond weights and KV cache for a CPU engine (as validate_env.CPU_OVERHEAD_BYTES).
+CPU_OVERHEAD_MB = 2048
+# Runtime estimate: margin on load + prefill, plus start-up (Snakemake, imports, assembly).
+RUNTIME_MARGIN = 1.5
+STARTUP_MINUTES = 2
+SIDECAR = re.compile(r"[0-9a-f]{20}\.json")
+
+
+def extract_gpus(ext: dict) -> int:
+    """GPUs per extract job: `gpus_per_job`, else the TP size on cuda and none on cpu."""
+    if ext.get("gpus_per_job") is not None:
+        return int(ext["gpus_per_job"])
+    return int(ext["tensor_parallel_size"]) if ext["device"] == "cuda" else 0
+
+
+def extract_cpus(ext: dict) -> int:
+    if ext.get("cpus_per_job") is not None:
+        return int(ext["cpus_per_job"])
+    gpus = extract_gpus(ext)
+    return CPUS_PER_GPU * gpus if gpus else int(ext["tensor_parallel_size"])
+
+
+def extract_mem_mb(ext: dict, weight_bytes: int) -> int:
+    if ext.get("mem_mb_per_job") is not None:
+        return int(ext["mem_mb_per_job"])
+    if ext["device"] == "cuda":
+        return MEM_MB_PER_GPU * max(1, extract_gpus(ext))
+    kv_mb = int(ext["tensor_parallel_size"]) * int(ext["cpu_kvcache_space_gib"]) * 1024
+    return math.ceil(weight_bytes / 2**20) + kv_mb + CPU_OVERHEAD_MB
+
+
+def shard_tokens(tokens_path: str | Path) -> int:
+    """Token count of a tokenized shard, from its safetensors header alone; for an unreadable
+    header, an estimate from the file size (int64 ids + uint8 mask: 9 bytes a token), so that a
+    damaged shard fails in its job, with its log, rather than while Snakemake plans."""
+    try:
+        header, _ = read_header(tokens_path)
+        return int(header["input_ids"]["shape"][0])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        try:
+            return Path(tokens_path).stat().st_size // 9
+        except OSError:
+            return 0
+
+
+def measured_rates(hidden_dir: str | Path) -> tuple[float | None, float | None]:
+    """(median tokens/s, longest engine start in s) over the sidecars of finished shards of
+    one extraction; None where no shard has measured it yet."""
+    rates, starts = [], []
+    d = Path(hidden_dir)
+    if d.is_dir():
+        for p in d.iterdir():
+            if not SIDECAR.fullmatch(p.name):
+                continue
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("tokens_extracted_now") and rec.get("tokens_per_second"):
+                rates.append(float(rec["tokens_per_second"]))
+            start = (rec.get("seconds") or {}).get("engine_start")
+            if rec.get("model_loaded") and start:
+                starts.append(float(start))
+    return (statistics.median(rates) if rates else None, max(starts) if starts else None)
+
+
+def verify_minutes(
+    n_tokens: int, n_layers: int, hidden_size: int, read_mb_per_second: float = 200
+) -> float:
+    """Verification streams the written shard once: its size over a conservative read rate."""
+    return n_tokens * n_layers * hidden_size * 2 / 2**20 / read_mb_per_second / 60
+
+
+def extract_runtime_minutes(
+    n_tokens: int,
+    tokens_per_second: float,
+    load_minutes: float,
+    verify_minutes: float = 0.0,
+    attempt: int = 1,
+) -> int:
+    """SLURM time limit of an extract job: 1.5 x (load + prefill + verification) + start-up,
+    times attempt."""
+    est = (
+        RUNTIME_MARGIN * (load_minutes + n_tokens / tokens_per_second / 60 + verify_minutes)
+        + STARTUP_MINUTES
+    )
+    return math.ceil(est) * max(1, attempt)

@@ -1,0 +1,1 @@
+"""Stored tensors: dtypes, safetensors headers and streaming writes, chunks, integrity, verification."""

@@ -1,0 +1,94 @@
+"""Integrity of finished outputs, checked cheaply on every invocation.
+
+Before Snakemake decides what to run, every finished shard gets the cheap check (its size and
+header against its extraction record). A shard that fails is moved, with its record and a
+note of the reason, to `<hidden dir>/quarantine/`, so Snakemake sees it missing and
+re-extracts it; nothing is deleted and nothing damaged is taken for finished.
+
+A missing shard alone is not enough: Snakemake re-runs a job whose output is missing only
+when something downstream needs it, and the verification summary downstream still exists and
+is up to date by mtime. So whenever a shard of the current set lacks any of its files, the
+summary (a table derived from every shard, cheap to rebuild) is moved aside too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from eagleflow.store.headers import cheap_check
+
+SHARD_FILES = (".safetensors", ".json", ".verify.json")
+SUMMARY_FILES = ("verify_summary.tsv", "manifest.parquet")
+
+
+def _move_aside(hidden_dir: Path, name: str, files: list[Path], problems: list[str]) -> Path:
+    dest = hidden_dir / "quarantine" / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in files:
+        if src.exists():
+            os.replace(src, dest / src.name)
+    (dest / "reason.txt").write_text("\n".join(problems) + "\n")
+    return dest
+
+
+def quarantine(hidden_dir: Path, shard_id: str, problems: list[str]) -> Path:
+    return _move_aside(
+        hidden_dir, shard_id, [hidden_dir / f"{shard_id}{s}" for s in SHARD_FILES], problems
+    )
+
+
+def set_aside_stale_summary(hidden_dir: Path, shard_ids, log=print) -> Path | None:
+    """Move the summary aside when any shard of the current set lacks one of its files."""
+    summary = [hidden_dir / name for name in SUMMARY_FILES]
+    if not any(p.exists() for p in summary):
+        return None
+    names = set(os.listdir(hidden_dir))
+    unfinished = [
+        s for s in shard_ids if any(f"{s}{suffix}" not in names for suffix in SHARD_FILES)
+    ]
+    if not unfinished:
+        return None
+    dest = _move_aside(
+        hidden_dir,
+        "summary",
+        summary,
+        [f"shard {s} is not finished (extraction or verification missing)" for s in unfinished],
+    )
+    log(
+        f"eagleflow: {len(unfinished)} shard(s) to extract or verify (first: {unfinished[0]}); "
+        f"the verification summary was moved to {dest} and will be rebuilt"
+    )
+    return dest
+
+
+def check_finished_shards(
+    hidden_dir: str | Path, shard_ids, fingerprint: str, log=print
+) -> list[str]:
+    """Cheap-check every shard that looks finished; quarantine the bad ones (and set a stale
+    summary aside); return their ids."""
+    hidden_dir = Path(hidden_dir)
+    if not hidden_dir.is_dir():
+        return []
+    bad = []
+    for shard_id in shard_ids:
+        data, record_path = hidden_dir / f"{shard_id}.safetensors", hidden_dir / f"{shard_id}.json"
+        if not data.exists() and not record_path.exists():
+            continue  # not extracted yet
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            problems = [f"extraction record unreadable ({e})"]
+        else:
+            problems = cheap_check(data, record, fingerprint)
+        if problems:
+            dest = quarantine(hidden_dir, shard_id, problems)
+            log(
+                f"eagleflow: shard {shard_id} failed the integrity check ({'; '.join(problems)}); "
+                f"moved to {dest} and scheduled for re-extraction"
+            )
+            bad.append(shard_id)
+    set_aside_stale_summary(hidden_dir, shard_ids, log=log)
+    return bad

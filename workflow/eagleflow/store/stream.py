@@ -1,0 +1,96 @@
+"""Write a safetensors file tensor by tensor, hashing as it goes, in bounded memory.
+
+`safetensors.torch.save_file` needs every tensor in memory at once; a shard of a large target
+is many GB. The format is an 8-byte little-endian header length, a JSON header (dtype, shape,
+data offsets per tensor, `__metadata__` of strings), then the raw bytes; this writer emits
+exactly that, and the result is read back with safetensors' own reader in verification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+class StreamingWriter:
+    """`layout` = [(name, dtype, shape)] in file order; then `write(name, tensor)` in that order,
+    any number of pieces per tensor (concatenated along dim 0)."""
+
+    def __init__(self, path: str | Path, layout, metadata: dict[str, str], digest: bool = True):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        header, offset = {}, 0
+        self.sizes = {}
+        for name, dtype, shape in layout:
+            n = torch.empty(0, dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            header[name] = {
+                "dtype": DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            self.sizes[name] = n
+            offset += n
+        header["__metadata__"] = metadata
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        self.order = [name for name, _, _ in layout]
+        self.written = {name: 0 for name in self.order}
+        # digest=False (chunk files, checked by assembly instead) skips hashing: close returns None.
+        self.sha = hashlib.sha256() if digest else None
+        self.f = open(self.tmp, "wb")
+        self._emit(struct.pack("<Q", len(blob)) + blob)
+
+    def _emit(self, data) -> None:
+        if self.sha is not None:
+            self.sha.update(data)
+        self.f.write(data)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        expected_next = next(
+            n for n in self.order if self.written[n] < self.sizes[n] or self.sizes[n] == 0
+        )
+        if name != expected_next:
+            raise ValueError(f"tensor {name} written out of order (next is {expected_next})")
+        data = tensor_bytes(t)
+        if self.written[name] + len(data) > self.sizes[name]:
+            raise ValueError(f"tensor {name}: more bytes than its declared shape")
+        self._emit(data)
+        self.written[name] += len(data)
+
+    def close(self) -> tuple[str | None, int]:
+        """Check completeness, fsync, rename into place; returns (sha256, size)."""
+        short = [n for n in self.order if self.written[n] != self.sizes[n]]
+        if short:
+            self.abort()
+            raise ValueError(f"{self.path}: tensors {short} were not written completely")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        size = self.tmp.stat().st_size
+        os.replace(self.tmp, self.path)
+        return (self.sha.hexdigest() if self.sha is not None else None), size
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)

@@ -1,0 +1,155 @@
+"""Verification of extracted shards.
+
+`verify_shard` reads everything (in row blocks, bounded memory): keys, shapes, dtypes,
+metadata, every value finite, no all-zero rows, input ids / loss mask / offsets identical to
+the tokenized shard. `cheap_check` reads only the file size and header and compares them with
+the extraction record; it is what every rerun can afford. `deep` adds a sha256 re-hash.
+
+Every extract job ends with `verify_extracted_shard`: a shard is finished only once its report
+is written, and a shard that fails is moved to quarantine (nothing is lost, nothing bad is
+kept where a rerun would take it for finished). One job per shard, not an extract job and a
+verify job: half the DAG for Snakemake to build on every rerun, and no second cluster job
+(queue wait, start-up) per shard for a read that costs seconds next to a model load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eagleflow.data.shards import TokenShard
+from eagleflow.store.headers import cheap_check, file_sha256, read_header
+from eagleflow.store.integrity import quarantine
+
+KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
+DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16"}
+ROW_BLOCK = 4096
+
+
+class ShardInvalid(ValueError):
+    pass
+
+
+def verify_shard(
+    path: str | Path,
+    tokens: TokenShard,
+    record: dict,
+    fingerprint: str,
+    layer_ids: list[int],
+    hidden_size: int,
+    dtype: str,
+    deep: bool = False,
+) -> dict:
+    path = Path(path)
+    problems = cheap_check(path, record, fingerprint)
+    if deep and not problems:
+        digest = file_sha256(path)
+        if digest != record.get("sha256"):
+            problems.append(
+                f"sha256 {digest[:16]}... differs from the recorded {str(record.get('sha256'))[:16]}... (content changed)"
+            )
+    if not problems:
+        problems += _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype)
+    return {
+        "shard_id": tokens.shard_id,
+        "path": str(path),
+        "ok": not problems,
+        "problems": problems,
+        "n_samples": len(tokens.sample_ids),
+        "n_tokens": int(len(tokens.input_ids)),
+        "bytes": record.get("bytes"),
+        "sha256": record.get("sha256"),
+        "tokens_per_second": record.get("tokens_per_second"),
+        "deep": deep,
+    }
+
+
+def verify_extracted_shard(
+    path: str | Path,
+    tokens: TokenShard,
+    record: dict,
+    fingerprint: str,
+    layer_ids: list[int],
+    hidden_size: int,
+    dtype: str,
+    report_path: str | Path,
+    partial_dir: Path | None = None,
+) -> dict:
+    """Verify a shard just written; write its report (atomically) if it passes. If it fails,
+    move the shard, its record and its committed chunks (`partial_dir`, so the next run
+    extracts afresh instead of re-assembling them) to `<hidden dir>/quarantine/` with the reason,
+    and raise ShardInvalid naming the shard, the problems and where the files went."""
+    t0 = time.perf_counter()
+    result = verify_shard(path, tokens, record, fingerprint, layer_ids, hidden_size, dtype)
+    result["verify_seconds"] = round(time.perf_counter() - t0, 3)
+    if not result["ok"]:
+        dest = quarantine(Path(path).parent, tokens.shard_id, result["problems"])
+        if partial_dir is not None and Path(partial_dir).exists():
+            os.replace(partial_dir, dest / "chunks")
+        raise ShardInvalid(
+            f"shard {tokens.shard_id} ({path}) failed verification: {'; '.join(result['problems'])}. "
+            f"Its files were moved to {dest}; the next run extracts it again."
+        )
+    report_path = Path(report_path)
+    tmp = report_path.with_name(report_path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, report_path)
+    return result
+
+
+def _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype) -> list[str]:
+    problems = []
+    header, _ = read_header(path)
+    keys = set(header) - {"__metadata__"}
+    if keys != KEYS:
+        return [f"tensors {sorted(keys)}, expected {sorted(KEYS)}"]
+    meta = header["__metadata__"]
+    T = len(tokens.input_ids)
+    expect = {
+        "hidden_states": ([T, len(layer_ids), hidden_size], DTYPE_NAMES[dtype]),
+        "input_ids": ([T], "I64"),
+        "loss_mask": ([T], "U8"),
+        "offsets": ([len(tokens.offsets)], "I64"),
+    }
+    for name, (shape, dt) in expect.items():
+        if header[name]["shape"] != shape or header[name]["dtype"] != dt:
+            problems.append(
+                f"{name}: {header[name]['dtype']} {header[name]['shape']}, expected {dt} {shape}"
+            )
+    if json.loads(meta.get("layer_ids", "null")) != list(layer_ids):
+        problems.append(f"layer_ids {meta.get('layer_ids')} in the file, expected {layer_ids}")
+    if json.loads(meta.get("sample_ids", "null")) != tokens.sample_ids:
+        problems.append("sample_ids in the file differ from the tokenized shard's")
+    if problems:
+        return problems
+    with safe_open(str(path), framework="pt") as f:
+        if not np.array_equal(f.get_tensor("input_ids").numpy(), tokens.input_ids):
+            problems.append("input_ids differ from the tokenized shard's tokens")
+        if not np.array_equal(f.get_tensor("loss_mask").numpy(), tokens.loss_mask):
+            problems.append("loss_mask differs from the tokenized shard's")
+        offsets = f.get_tensor("offsets").numpy()
+        if not np.array_equal(offsets, tokens.offsets):
+            problems.append("offsets differ from the tokenized shard's")
+        if offsets[0] != 0 or offsets[-1] != T or np.any(np.diff(offsets) <= 0):
+            problems.append("offsets are not 0, strictly increasing, ending at the token count")
+        hs = f.get_slice("hidden_states")
+        for a in range(0, T, ROW_BLOCK):
+            block = hs[a : a + ROW_BLOCK].to(torch.float32)
+            if not torch.isfinite(block).all():
+                bad = int((~torch.isfinite(block)).any(dim=-1).any(dim=-1).nonzero()[0]) + a
+                problems.append(f"hidden_states: non-finite value at token {bad}")
+                break
+            zero_rows = (block == 0).all(dim=-1)
+            if zero_rows.any():
+                tok, layer = (int(x) for x in zero_rows.nonzero()[0])
+                problems.append(
+                    f"hidden_states: all-zero row at token {tok + a}, layer id {layer_ids[layer]}"
+                )
+                break
+    return problems

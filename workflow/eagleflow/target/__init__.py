@@ -1,0 +1,1 @@
+"""Target facts read from files: config, weights, head, layer ids."""
