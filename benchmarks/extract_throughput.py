@@ -34,16 +34,16 @@ from eagleflow.capture.plan import make_plan  # noqa: E402
 from eagleflow.data.conversations import Conversation  # noqa: E402
 from eagleflow.data.shards import build_shards  # noqa: E402
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest  # noqa: E402
-from eagleflow.extract.shard import (
-    EngineSettings,
+from eagleflow.engine.settings import EngineSettings  # noqa: E402
+from eagleflow.extract.shard import (  # noqa: E402
     Timings,
-    _run_chunks,
     assemble_shard,
-    chunk_ranges,
-    start_engine,
-)  # noqa: E402
+    run_chunks,
+    start_capture_engine,
+)
 from eagleflow.fixtures.bundled_data import generate_conversations  # noqa: E402
 from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
+from eagleflow.store.chunks import ShardChunks  # noqa: E402
 from eagleflow.target.info import count_parameters, read_target  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
 
@@ -129,27 +129,15 @@ def plain_prefill(llm, shard) -> float:
 
 
 def eagleflow_extract(llm, shard, plan, workdir: Path, chunk_tokens: int):
-    partial = workdir / ".partial" / shard.shard_id
     shutil.rmtree(workdir, ignore_errors=True)
-    partial.mkdir(parents=True)
-    ranges = chunk_ranges(shard.offsets, chunk_tokens)
+    out = workdir / f"{shard.shard_id}.safetensors"
+    chunks = ShardChunks.plan(shard, "bench", out, chunk_tokens)
+    chunks.partial_dir.mkdir(parents=True)
     timings = Timings()
     t0 = time.perf_counter()
-    _run_chunks(
-        llm,
-        shard,
-        ranges,
-        list(range(len(ranges))),
-        partial,
-        plan,
-        "bench",
-        timings,
-        lambda m: None,
-    )
+    run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, timings)
     with timings.phase("assemble"):
-        sha, size = assemble_shard(
-            shard, ranges, partial, plan, "bench", workdir / f"{shard.shard_id}.safetensors"
-        )
+        sha, size = assemble_shard(chunks, plan, out)
     return time.perf_counter() - t0, size, timings.seconds
 
 
@@ -183,10 +171,12 @@ def main():
     )
     print(
         f"target: DeepseekV3ForCausalLM, {info.num_layers} layers, hidden {info.hidden_size}, "
-        f"{count_parameters(info) / 1e6:.0f}M parameters (MLA, 8 routed + 1 shared experts), bf16, TP=1 CPU"
+        f"{count_parameters(info) / 1e6:.0f}M parameters (MLA, 8 routed + 1 shared experts), "
+        "bf16, TP=1 CPU"
     )
     print(
-        f"capture: layer ids {plan['layer_ids']}, strategy {plan['strategy']}, chunk_tokens {args.chunk_tokens}"
+        f"capture: layer ids {plan.layer_ids}, strategy {plan.strategy.value}, "
+        f"chunk_tokens {args.chunk_tokens}"
     )
     for name, s in shards.items():
         lengths = s.offsets[1:] - s.offsets[:-1]
@@ -195,8 +185,7 @@ def main():
             f"({int(lengths.min())}-{int(lengths.max())} per sample)"
         )
     t0 = time.perf_counter()
-    llm = start_engine(settings)
-    llm.collective_rpc("eagleflow_install", args=(plan,))
+    llm = start_capture_engine(settings, plan, args.workdir / "engine")
     print(f"engine start (paid once per job): {time.perf_counter() - t0:.1f} s")
     sched = llm.llm_engine.vllm_config.scheduler_config
     # Both arms run on this one engine, so they share every setting; vLLM's CPU platform

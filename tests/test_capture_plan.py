@@ -1,9 +1,13 @@
+from dataclasses import replace
+
 import pytest
 
 from eagleflow.capture.plan import (
     ARCHITECTURES,
     ArchSpec,
     CaptureCheckError,
+    CapturePlan,
+    Strategy,
     check_plan,
     introspect,
     make_plan,
@@ -53,9 +57,9 @@ def test_auto_picks_aux_layers_and_falls_back_for_id_zero(tmp_path):
         '"hidden_size": 256, "vocab_size": 1024, "kv_lora_rank": 512}'
     )
     info = read_target(tmp_path)
-    assert make_plan(info, [2, 4, 5, 8], "auto")["strategy"] == "aux_layers"
+    assert make_plan(info, [2, 4, 5, 8], "auto").strategy == "aux_layers"
     # vLLM's DeepseekV2Model sums hidden + residual, and the residual is None before layer 0.
-    assert make_plan(info, [0, 4, 8], "auto")["strategy"] == "patched_forward"
+    assert make_plan(info, [0, 4, 8], "auto").strategy == "patched_forward"
     with pytest.raises(CaptureCheckError, match="Drop id 0"):
         make_plan(info, [0, 4, 8], "aux_layers")
 
@@ -102,7 +106,7 @@ def test_dense_models_use_their_own_aux_interface_only(tmp_path):
         '"hidden_size": 64, "vocab_size": 100}'
     )
     info = read_target(tmp_path)
-    assert make_plan(info, [0, 2, 4, 8], "auto")["strategy"] == "aux_layers"
+    assert make_plan(info, [0, 2, 4, 8], "auto").strategy == "aux_layers"
     with pytest.raises(CaptureCheckError, match="DeepseekV2-family"):
         make_plan(info, [2, 4], "patched_forward")
 
@@ -132,14 +136,15 @@ def _target(tmp_path, cfg):
 def test_extract_hidden_states_plans_on_cuda_for_dense_targets(tmp_path, cfg):
     info = _target(tmp_path, cfg)
     plan = make_plan(info, [0, 2, 4, 8], "extract_hidden_states", device="cuda")
-    assert plan["strategy"] == "extract_hidden_states" and plan["device"] == "cuda"
+    assert plan.strategy == "extract_hidden_states" and plan.device == "cuda"
     assert (
-        plan["ehs_file_keys"] == ["hidden_states", "token_ids"] and plan["ehs_connector_registered"]
+        plan.introspection["ehs_file_keys"] == ["hidden_states", "token_ids"]
+        and plan.introspection["ehs_connector_registered"]
     )
-    assert any("device is cuda" in c for c in plan["checks_passed"])
-    assert any("id 8 (final pre-norm state)" in c for c in plan["checks_passed"])
+    assert any("device is cuda" in c for c in plan.checks_passed)
+    assert any("id 8 (final pre-norm state)" in c for c in plan.checks_passed)
     # auto never picks it, whatever the device.
-    assert make_plan(info, [2, 4, 8], "auto", device="cuda")["strategy"] == "aux_layers"
+    assert make_plan(info, [2, 4, 8], "auto", device="cuda").strategy == "aux_layers"
 
 
 def test_extract_hidden_states_engine_settings_follow_the_plan(tmp_path):
@@ -164,7 +169,7 @@ def test_extract_hidden_states_engine_settings_follow_the_plan(tmp_path):
     from vllm.config import KVTransferConfig
 
     assert KVTransferConfig(**kw["kv_transfer_config"]).kv_role == "kv_producer"
-    assert strategy_engine_kwargs({**plan, "strategy": "aux_layers"}, tmp_path) == {}
+    assert strategy_engine_kwargs(replace(plan, strategy=Strategy.AUX_LAYERS), tmp_path) == {}
 
 
 def test_extract_hidden_states_refused_on_cpu_naming_version_reason_and_remedy(tmp_path):
@@ -200,20 +205,19 @@ def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
     # Its text model plans with the aux interface (id 61 = final pre-norm state), through the
     # wrapper class vLLM loads, checked to delegate to its language_model.
     plan = make_plan(info, [2, 30, 58, 61], "auto", device="cuda")
-    assert plan["strategy"] == "aux_layers" and plan["num_hidden_layers"] == 61
+    assert plan.strategy == "aux_layers" and plan.num_hidden_layers == 61
     assert (
-        plan["model_class"].endswith("DeepseekV3ForCausalLM")
-        and plan["wrapper"] == "KimiK25ForConditionalGeneration"
+        plan.introspection["model_class"].endswith("DeepseekV3ForCausalLM")
+        and plan.wrapper == "KimiK25ForConditionalGeneration"
     )
     assert (
-        plan["wrapper_class"]
+        plan.introspection["wrapper_class"]
         == "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"
     )
     assert any(
-        "set_aux_hidden_state_layers delegates to language_model" in c
-        for c in plan["checks_passed"]
+        "set_aux_hidden_state_layers delegates to language_model" in c for c in plan.checks_passed
     )
-    assert make_plan(info, [0, 30, 61], "auto", device="cuda")["strategy"] == "patched_forward"
+    assert make_plan(info, [0, 30, 61], "auto", device="cuda").strategy == "patched_forward"
 
 
 def test_a_wrapper_that_does_not_delegate_is_refused(monkeypatch):
@@ -299,7 +303,7 @@ def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
     assert ids == [2, 32, 61, 64]
     plan = make_plan(info, ids, cap["strategy"], device=cfg["extract"]["device"])
-    assert plan["strategy"] == "extract_hidden_states"
+    assert plan.strategy == "extract_hidden_states"
     # The same config with the device this machine has is refused before any load.
     with pytest.raises(CaptureCheckError, match="extract.device is 'cpu'"):
         make_plan(info, ids, cap["strategy"], device="cpu")
@@ -345,6 +349,7 @@ def test_patch_script_passes_the_configured_device(tmp_path):
         run("cpu")
     assert not (tmp_path / "cpu-plan.json").exists()
     _, out = run("cuda")
-    plan = json.loads(out.read_text())
-    assert plan["strategy"] == "extract_hidden_states" and plan["device"] == "cuda"
-    assert plan["layer_ids"] == [2, 4, 5, 8] and plan["fingerprint"] == "fp0"
+    plan = CapturePlan.load(out)
+    assert plan.strategy == "extract_hidden_states" and plan.device == "cuda"
+    assert plan.layer_ids == [2, 4, 5, 8] and plan.fingerprint == "fp0"
+    assert json.loads(out.read_text())["strategy"] == "extract_hidden_states"

@@ -8,6 +8,7 @@ import fcntl
 import os
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,15 +22,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.model_executor.models.extract_hidden_states import basic_cache
 
 from eagleflow.capture.connector import ConnectorFileError, commit_from_connector, read_request_file
+from eagleflow.capture.plan import Strategy
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards
 from eagleflow.data.templating import Tokenized
-from eagleflow.extract.shard import assemble_shard, chunk_path, chunk_ranges
+from eagleflow.extract.shard import assemble_shard
+from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.headers import read_header
+from support.synthetic import PLAN as SYNTHETIC_PLAN
 
 BLOCK = 16
 N_IDS, HIDDEN = 4, 32
-PLAN = {"strategy": "extract_hidden_states", "layer_ids": [2, 4, 5, 8], "hidden_size": HIDDEN}
+PLAN = replace(
+    SYNTHETIC_PLAN,
+    strategy=Strategy.EXTRACT_HIDDEN_STATES,
+    layer_ids=[2, 4, 5, 8],
+    hidden_size=HIDDEN,
+    fingerprint="fp",
+)
 
 
 class _Done:  # the CUDA event the connector waits on before writing; the copy here is synchronous
@@ -119,12 +129,11 @@ def test_connector_files_become_an_eagleflow_chunk_and_shard(tmp_path):
         Tokenized(np.array(p, dtype=np.int64), np.ones(len(p), dtype=np.uint8)) for p in PROMPTS
     ]
     shard = build_shards([Conversation(f"s{i}", (), "t", i) for i in range(3)], toks, 3, "t")[0]
-    ranges = chunk_ranges(shard.offsets, 10_000)
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    os.replace(chunk, chunk_path(partial, 0))
     out = tmp_path / "shard.safetensors"
-    assemble_shard(shard, ranges, partial, PLAN, "fp", out)
+    chunks = ShardChunks.plan(shard, "fp", out, 10_000)
+    chunks.partial_dir.mkdir(parents=True)
+    os.replace(chunk, chunks.path(0))
+    assemble_shard(chunks, PLAN, out)
     header, _ = read_header(out)
     layout = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
     assert layout == {
@@ -167,7 +176,7 @@ def test_mismatches_are_refused_naming_the_request(tmp_path):
         ConnectorFileError, match=r"shape \[21, 4, 32\], expected \[tokens, 3, 32\]"
     ):
         commit_from_connector(
-            outs, PROMPTS, {**PLAN, "layer_ids": [2, 4, 8]}, torch.bfloat16, chunk, {}
+            outs, PROMPTS, replace(PLAN, layer_ids=[2, 4, 8]), torch.bfloat16, chunk, {}
         )
     # Another dtype than the engine's.
     with pytest.raises(ConnectorFileError, match="bfloat16, the engine's dtype is torch.float16"):

@@ -30,21 +30,16 @@ from eagleflow.capture.reference import (
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import TokenShard, build_shards
 from eagleflow.data.templating import Tokenized, tokenize_conversation, tokenizer_digest
-from eagleflow.extract.shard import (
-    EngineSettings,
-    Timings,
-    _run_chunks,
-    assemble_shard,
-    chunk_ranges,
-    start_engine,
-    stop_engine,
-)
+from eagleflow.engine.builder import build_engine, stop_engine
+from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.shard import CAPTURE_WORKER, Timings, assemble_shard, run_chunks
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.fixtures.tiny_target import (
     build_tiny_llama_target,
     build_tiny_qwen3_target,
     build_tiny_target,
 )
+from eagleflow.store.chunks import ShardChunks
 from eagleflow.target.info import TargetInfo, read_target
 from eagleflow.target.layers import default_layer_ids
 
@@ -78,21 +73,18 @@ def mixed_shard(tokenizer):
 def capture(llm, shard, plan, workdir, chunk_tokens=400):
     """eagleflow's capture and shard writing on an already started engine (the code path of
     `extract_shard` after the engine start); the engine is left as it was found."""
-    partial = workdir / ".partial" / shard.shard_id
-    partial.mkdir(parents=True, exist_ok=True)
-    llm.collective_rpc("eagleflow_install", args=(plan,))
+    out = workdir / f"{shard.shard_id}.safetensors"
+    chunks = ShardChunks.plan(shard, "test", out, chunk_tokens)
+    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
     try:
-        ranges = chunk_ranges(shard.offsets, chunk_tokens)
-        assert len(ranges) >= 3
-        _run_chunks(
-            llm, shard, ranges, list(range(len(ranges))), partial, plan, "test", Timings(), print
-        )
-        out = workdir / f"{shard.shard_id}.safetensors"
-        assemble_shard(shard, ranges, partial, plan, "test", out)
+        assert len(chunks.ranges) >= 3
+        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, Timings())
+        assemble_shard(chunks, plan, out)
     finally:
         llm.collective_rpc("eagleflow_uninstall")
     with safe_open(str(out), framework="pt") as f:
-        assert f.metadata()["capture_strategy"] == plan["strategy"]
+        assert f.metadata()["capture_strategy"] == plan.strategy.value
         return f.get_tensor("hidden_states")
 
 
@@ -161,7 +153,8 @@ class Engines:
     def get(self, key, settings_, strategy_kwargs=None):
         if self.key != key:
             self.close()
-            self.llm = start_engine(settings_, strategy_kwargs)
+            kwargs = {"enable_prefix_caching": False} | (strategy_kwargs or {})
+            self.llm = build_engine(settings_, worker_extension=CAPTURE_WORKER, **kwargs)
             self.key = key
         return self.llm
 
@@ -211,7 +204,7 @@ def test_deepseek_both_strategies_match_the_reference_and_each_other(
     again = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "again")
     # id 0 (the embeddings) only the patched forward can capture.
     zero_plan = make_plan(info, [0, *ids], "auto")
-    assert zero_plan["strategy"] == "patched_forward"
+    assert zero_plan.strategy == "patched_forward"
     with_zero = capture(llm, shard, zero_plan, tmp_path / "zero")
     assert_same_states(patched, aux, "patched_forward vs aux_layers")
     assert_same_states(again, aux, "a repeated call on the same engine")
@@ -272,9 +265,7 @@ def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
     )
     # Same tolerance as against the float32 reference: TP changes only reduction order.
     assert float(rel.median()) < 0.05
-    assert_matches_reference(
-        load_reference_model(deepseek.path), states[2], shard, plan["layer_ids"]
-    )
+    assert_matches_reference(load_reference_model(deepseek.path), states[2], shard, plan.layer_ids)
 
 
 def test_llama_4_scaling_is_applied_by_both_strategies(
@@ -315,7 +306,7 @@ def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
     llama = build(build_tiny_llama_target, corpus, tmp_path / "llama")
     ids = [0, *default_layer_ids(llama.info.num_layers)]
     plan = make_plan(llama.info, ids, "auto")
-    assert plan["strategy"] == "aux_layers"
+    assert plan.strategy == "aux_layers"
     states = capture(
         engines.get("llama", settings(llama.path)), llama.shard, plan, tmp_path / "out"
     )
@@ -326,7 +317,7 @@ def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
 def qwen3_aux(qwen3, engines, tmp_path_factory):
     ids = [0, *default_layer_ids(qwen3.info.num_layers)]
     plan = make_plan(qwen3.info, ids, "auto")
-    assert plan["strategy"] == "aux_layers" and plan["model_class"].endswith(
+    assert plan.strategy == "aux_layers" and plan.introspection["model_class"].endswith(
         "qwen3.Qwen3ForCausalLM"
     )
     return capture(

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagleflow.data.shards import read_token_shard
-from eagleflow.extract.shard import chunk_ranges
+from eagleflow.store.chunks import chunk_ranges
 from eagleflow.store.headers import file_sha256
 from eagleflow.store.verify import cheap_check
 from support.workflow_runner import (

@@ -6,7 +6,13 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.store.headers import read_header
-from eagleflow.store.verify import ShardInvalid, cheap_check, verify_extracted_shard, verify_shard
+from eagleflow.store.verify import (
+    Expected,
+    ShardInvalid,
+    cheap_check,
+    verify_extracted_shard,
+    verify_shard,
+)
 from support.synthetic import FP, PLAN, make_extracted_shard, make_token_shards
 
 
@@ -19,7 +25,7 @@ def extracted(tokenizer, tmp_path):
 
 def run(shard, out, record, deep=False, fp=FP):
     return verify_shard(
-        out, shard, record, fp, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", deep=deep
+        out, shard, record, Expected(fp, PLAN.layer_ids, PLAN.hidden_size, "bfloat16"), deep=deep
     )
 
 
@@ -101,7 +107,7 @@ def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(ext
     shard, out, record = extracted
     report = out.with_name(f"{shard.shard_id}.verify.json")
     result = verify_extracted_shard(
-        out, shard, record, FP, PLAN["layer_ids"], PLAN["hidden_size"], "bfloat16", report
+        out, shard, record, Expected(FP, PLAN.layer_ids, PLAN.hidden_size, "bfloat16"), report
     )
     assert result["ok"] and json.loads(report.read_text()) == result
     report.unlink()
@@ -121,10 +127,7 @@ def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(ext
             out,
             shard,
             record,
-            FP,
-            PLAN["layer_ids"],
-            PLAN["hidden_size"],
-            "bfloat16",
+            Expected(FP, PLAN.layer_ids, PLAN.hidden_size, "bfloat16"),
             report,
             partial_dir=partial,
         )
@@ -141,7 +144,9 @@ def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(ext
 
 def test_wrong_layer_ids_are_named(extracted):
     shard, out, record = extracted
-    problems = verify_shard(out, shard, record, FP, [2, 4, 5, 7], 16, "bfloat16")["problems"]
+    problems = verify_shard(out, shard, record, Expected(FP, [2, 4, 5, 7], 16, "bfloat16"))[
+        "problems"
+    ]
     assert any("layer_ids [2, 4, 5, 8] in the file, expected [2, 4, 5, 7]" in p for p in problems)
 
 

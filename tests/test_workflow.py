@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from safetensors import safe_open
 
+from eagleflow.capture.plan import CapturePlan, Strategy
 from support.workflow_runner import SMALL, hidden_dir, snakemake
 
 
@@ -36,8 +37,8 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
     assert len(summary) == manifest["shard_id"].nunique() >= 4
     assert summary["ok"].all()
     assert summary["n_tokens"].sum() == manifest["n_tokens"].sum()
-    plan = json.loads((fp_dir / "capture_plan.json").read_text())
-    assert plan["strategy"] == "aux_layers" and plan["layer_ids"] == [2, 4, 5, 8]
+    plan = CapturePlan.load(fp_dir / "capture_plan.json")
+    assert plan.strategy is Strategy.AUX_LAYERS and plan.layer_ids == [2, 4, 5, 8]
     shard_id = summary["shard_id"].iloc[0]
     with safe_open(str(fp_dir / f"{shard_id}.safetensors"), framework="pt") as f:
         meta = f.metadata()

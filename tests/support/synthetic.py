@@ -7,14 +7,29 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards, write_token_shard
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
-from eagleflow.extract.shard import assemble_shard, chunk_path, chunk_ranges
+from eagleflow.extract.shard import assemble_shard
 from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.store.chunks import ShardChunks
 
-PLAN = {"layer_ids": [2, 4, 5, 8], "strategy": "aux_layers", "hidden_size": 16}
 FP = "0123456789abcdef"
+PLAN = CapturePlan(
+    strategy=Strategy.AUX_LAYERS,
+    requested_strategy="auto",
+    layer_ids=[2, 4, 5, 8],
+    num_hidden_layers=8,
+    hidden_size=16,
+    architecture="DeepseekV3ForCausalLM",
+    wrapper=None,
+    llama_4_scaling=None,
+    vllm_version="synthetic",
+    device="cpu",
+    checks_passed=[],
+    fingerprint=FP,
+)
 
 
 def make_token_shards(tokenizer, n=8, size=4, seed=0):
@@ -32,24 +47,20 @@ def make_extracted_shard(shard, out_dir: Path, fp=FP, plan=PLAN, chunk_tokens=64
     tokens_path = out_dir / "tokens" / f"{shard.shard_id}.safetensors"
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
     write_token_shard(shard, tokens_path)
-    partial = out_dir / fp / ".partial" / shard.shard_id
-    partial.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for i, (a, b) in enumerate(chunk_ranges(shard.offsets, chunk_tokens)):
-        ids = torch.from_numpy(shard.input_ids[shard.offsets[a] : shard.offsets[b]])
-        hs = torch.randn(len(ids), len(plan["layer_ids"]), plan["hidden_size"], generator=g).to(
-            torch.bfloat16
-        )
-        meta = {"fingerprint": fp, "shard_id": shard.shard_id, "chunk": i, "samples": [a, b]}
-        save_file(
-            {"hidden_states": hs, "input_ids": ids},
-            str(chunk_path(partial, i)),
-            metadata={k: json.dumps(v) for k, v in meta.items()},
-        )
     out = out_dir / fp / f"{shard.shard_id}.safetensors"
-    sha, size = assemble_shard(
-        shard, chunk_ranges(shard.offsets, chunk_tokens), partial, plan, fp, out
-    )
+    chunks = ShardChunks.plan(shard, fp, out, chunk_tokens)
+    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(len(chunks.ranges)):
+        lo, hi = chunks.token_range(i)
+        ids = torch.from_numpy(shard.input_ids[lo:hi])
+        hs = torch.randn(len(ids), len(plan.layer_ids), plan.hidden_size, generator=g)
+        save_file(
+            {"hidden_states": hs.to(torch.bfloat16), "input_ids": ids},
+            str(chunks.path(i)),
+            metadata={k: json.dumps(v) for k, v in chunks.metadata(i).items()},
+        )
+    sha, size = assemble_shard(chunks, plan, out)
     record = {
         "shard_id": shard.shard_id,
         "fingerprint": fp,

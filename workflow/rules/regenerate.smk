@@ -27,15 +27,8 @@ rule regenerate:
         max_length=config["data"]["max_length"],
         max_new_tokens=REGENERATE["max_new_tokens"],
         on_bad_row=config["data"]["on_bad_row"],
-        engine={
-            "device": EXTRACT["device"],
-            "tensor_parallel_size": EXTRACT["tensor_parallel_size"],
-            "dtype": EXTRACT["dtype"],
-            "gpu_memory_utilization": EXTRACT["gpu_memory_utilization"],
-            "cpu_kvcache_space_gib": EXTRACT["cpu_kvcache_space_gib"],
-            "cpu_threads_bind": EXTRACT["cpu_threads_bind"],
-            "max_num_seqs": REGENERATE["max_num_seqs"],
-            "mla": REGENERATE["mla"],
-        },
+        # What shapes the replies; the engine's other settings come from the config
+        # (EngineSettings.from_config) and change nothing in them.
+        mla=REGENERATE["mla"],
     script:
         "../scripts/regenerate.py"

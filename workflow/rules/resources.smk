@@ -7,10 +7,9 @@ EXTRACT = config["extract"]
 
 @cache
 def target_weight_bytes():
-    from eagleflow.target.info import bytes_per_weight, count_parameters
+    from eagleflow.target.info import weight_bytes
 
-    info = read_target(TARGET)
-    return int(count_parameters(info) * bytes_per_weight(info.text_config))
+    return weight_bytes(read_target(TARGET))
 
 
 @cache

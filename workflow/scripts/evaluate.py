@@ -1,25 +1,19 @@
 import json
 
-from eagleflow.draft.acceptance import evaluate
+from eagleflow.draft.acceptance import EvalSettings, evaluate
+from eagleflow.engine.settings import EngineSettings
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):
     import torch
 
     torch.set_num_threads(snakemake.threads)
-    cfg = snakemake.params.cfg
     report = evaluate(
-        snakemake.params.target,
+        EngineSettings.from_config(snakemake.config, "evaluate"),
         snakemake.params.export,
         snakemake.input.dataset,
-        snakemake.output.result,
-        snakemake.output.plot,
-        k=cfg["speculative_tokens"],
-        max_tokens=cfg["max_tokens"],
-        num_prompts=cfg["num_prompts"],
-        modulus=snakemake.params.heldout_modulus,
-        paths=cfg["paths"],
-        no_mla=not cfg["mla"],
+        EvalSettings.from_config(snakemake.config),
+        (snakemake.output.result, snakemake.output.plot),
         workdir=snakemake.params.workdir,
     )
     print(json.dumps({n: r.get("acceptance_length") for n, r in report["results"].items()}))

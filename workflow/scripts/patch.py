@@ -1,4 +1,4 @@
-import json
+from dataclasses import replace
 
 from eagleflow.capture.plan import make_plan
 from eagleflow.logs import redirect_to_log
@@ -11,11 +11,11 @@ with redirect_to_log(snakemake.log[0]):
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
     # The device decides whether extract_hidden_states can work (CUDA only).
     plan = make_plan(info, ids, cap["strategy"], device=snakemake.config["extract"]["device"])
-    plan["fingerprint"] = snakemake.wildcards.fp
-    with open(snakemake.output[0], "w") as f:
-        json.dump(plan, f, indent=1)
+    plan = replace(plan, fingerprint=snakemake.wildcards.fp)
+    plan.save(snakemake.output[0])
     print(
-        f"capture plan: strategy {plan['strategy']}, layer ids {plan['layer_ids']} ({plan['layer_id_convention']})"
+        f"capture plan: strategy {plan.strategy.value}, layer ids {plan.layer_ids} "
+        f"({plan.layer_id_convention})"
     )
-    for check in plan["checks_passed"]:
+    for check in plan.checks_passed:
         print(f"[ok] {check}")

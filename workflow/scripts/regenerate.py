@@ -1,6 +1,7 @@
 import json
 
 from eagleflow.data.regenerate import regenerate_dataset
+from eagleflow.engine.settings import EngineSettings
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):
@@ -12,7 +13,7 @@ with redirect_to_log(snakemake.log[0]):
         max_length=snakemake.params.max_length,
         max_new_tokens=snakemake.params.max_new_tokens,
         on_bad_row=snakemake.params.on_bad_row,
-        engine=snakemake.params.engine,
+        engine=EngineSettings.from_config(snakemake.config, "regenerate"),
     )
     with open(snakemake.output.summary, "w") as f:
         json.dump(summary, f, indent=1)

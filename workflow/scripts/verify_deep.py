@@ -3,13 +3,13 @@ import sys
 
 import pandas as pd
 
+from eagleflow.capture.plan import CapturePlan
 from eagleflow.data.shards import read_token_shard
 from eagleflow.logs import redirect_to_log
-from eagleflow.store.verify import verify_shard
+from eagleflow.store.verify import Expected, verify_shard
 
 with redirect_to_log(snakemake.log[0]):
-    with open(snakemake.input.plan) as f:
-        plan = json.load(f)
+    plan = CapturePlan.load(snakemake.input.plan)
     rows = []
     for data, record_path, tokens in zip(
         snakemake.input.shards, snakemake.input.records, snakemake.input.tokens
@@ -21,10 +21,7 @@ with redirect_to_log(snakemake.log[0]):
                 data,
                 read_token_shard(tokens),
                 record,
-                plan["fingerprint"],
-                plan["layer_ids"],
-                plan["hidden_size"],
-                snakemake.params.dtype,
+                Expected.of(plan, snakemake.params.dtype),
                 deep=True,
             )
         )

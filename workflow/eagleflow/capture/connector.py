@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagleflow.capture.plan import CapturePlan, Strategy
+from eagleflow.store.chunks import ShardChunks
+
 CONNECTOR = "ExampleHiddenStatesConnector"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 PROPOSER_MODULE = "vllm.v1.spec_decode.extract_hidden_states"
@@ -44,7 +47,7 @@ class ConnectorFileError(RuntimeError):
 
 
 def engine_kwargs(
-    plan: dict,
+    plan: CapturePlan,
     storage_dir: str | Path,
     connector: str = CONNECTOR,
     connector_module_path: str | None = None,
@@ -68,7 +71,7 @@ def engine_kwargs(
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(plan["layer_ids"])}
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(plan.layer_ids)}
             },
         },
         "kv_transfer_config": kv,
@@ -77,9 +80,11 @@ def engine_kwargs(
     }
 
 
-def strategy_engine_kwargs(plan: dict, storage_dir: str | Path) -> dict:
+def strategy_engine_kwargs(plan: CapturePlan, storage_dir: str | Path) -> dict:
     """Extra `LLM(...)` settings of the plan's strategy (none but for extract_hidden_states)."""
-    return engine_kwargs(plan, storage_dir) if plan["strategy"] == "extract_hidden_states" else {}
+    return (
+        engine_kwargs(plan, storage_dir) if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES else {}
+    )
 
 
 def read_request_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -185,7 +190,7 @@ def request_states(
 def commit_from_connector(
     outputs,
     prompts: list[list[int]],
-    plan: dict,
+    plan: CapturePlan,
     dtype: torch.dtype,
     path: str | Path,
     metadata: dict,
@@ -206,7 +211,7 @@ def commit_from_connector(
             raise ConnectorFileError(
                 f"request {out.request_id}: its hidden states file {file} is another request's"
             )
-        parts.append(request_states(file, want, len(plan["layer_ids"]), plan["hidden_size"], dtype))
+        parts.append(request_states(file, want, len(plan.layer_ids), plan.hidden_size, dtype))
         ids.append(torch.as_tensor(want, dtype=torch.int64))
     hidden = torch.cat(parts).contiguous()
     tmp = str(path) + ".tmp"
@@ -221,41 +226,27 @@ def commit_from_connector(
     return int(hidden.shape[0])
 
 
-def run_connector_chunks(llm, shard, ranges, todo, partial_dir, plan, fingerprint, timings) -> int:
+def run_connector_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings):
     """Prefill the chunks in `todo` one `generate` call each and convert the connector's files
-    of each chunk into its chunk file (the extract_hidden_states counterpart of extract's loop:
-    the rows come from vLLM's files, not from eagleflow's worker hooks)."""
+    of each chunk into its chunk file (the extract_hidden_states counterpart of extraction's
+    loop: the rows come from vLLM's files, not from eagleflow's worker hooks)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from eagleflow.extract.shard import chunk_path
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     dtype = llm.llm_engine.model_config.dtype
     done = 0
     for i in todo:
-        a, b = ranges[i]
-        prompts = [shard.sample(j)[0].tolist() for j in range(a, b)]
+        a, b = chunks.ranges[i]
+        prompts = [chunks.shard.sample(j)[0].tolist() for j in range(a, b)]
         with timings.phase("prefill_and_capture"):
             outputs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
             )
-        meta = {
-            "fingerprint": fingerprint,
-            "shard_id": shard.shard_id,
-            "chunk": i,
-            "samples": [a, b],
-        }
         with timings.phase("commit_wait"):
-            wait_for_files(
-                llm,
-                [
-                    (o.kv_transfer_params or {}).get("hidden_states_path", "")
-                    for o in outputs
-                    if (o.kv_transfer_params or {}).get("hidden_states_path")
-                ],
-            )
+            files = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
+            wait_for_files(llm, [f for f in files if f])
             done += commit_from_connector(
-                outputs, prompts, plan, dtype, chunk_path(partial_dir, i), meta
+                outputs, prompts, plan, dtype, chunks.path(i), chunks.metadata(i)
             )
     return done

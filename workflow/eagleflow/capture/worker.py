@@ -28,6 +28,7 @@ from itertools import islice
 
 import torch
 
+from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.vllm_fixes import fix_cpu_rope
 from eagleflow.store.stream import StreamingWriter
 
@@ -99,8 +100,9 @@ class CaptureExtension:
     """Mixed into vLLM's worker class; methods are called through `LLM.collective_rpc`."""
 
     @_surface_errors
-    def eagleflow_install(self, plan: dict) -> dict:
+    def eagleflow_install(self, plan_json: dict) -> dict:
         model = self.model_runner.model
+        plan = CapturePlan.from_json(plan_json)
         self._ef_plan = plan
         self._ef_rows: dict[str, list] = {}  # engine request id -> [(positions, ids, states)]
         self._ef_counts: dict[str, int] = {}  # engine request id -> rows kept so far
@@ -115,11 +117,11 @@ class CaptureExtension:
             target=self._ef_writer_loop, name="eagleflow-chunk-writer", daemon=True
         )
         self._ef_writer.start()
-        layer_ids = tuple(plan["layer_ids"])
+        layer_ids = tuple(plan.layer_ids)
         # A multimodal wrapper (Kimi-K2.5) keeps its text model under `language_model` and
         # delegates set_aux_hidden_state_layers and forward to it.
         inner = getattr(model, "language_model", model).model
-        if plan["strategy"] == "extract_hidden_states":
+        if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:
             # vLLM itself set the aux layers from the speculative config, and its connector writes
             # the files: nothing to wrap, only check that the engine captures the planned ids.
             found = tuple(getattr(inner, "aux_hidden_state_layers", ()))
@@ -130,15 +132,13 @@ class CaptureExtension:
                 )
             self._ef_undo = lambda: None
             return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
-        if plan["strategy"] == "aux_layers":
+        if plan.strategy is Strategy.AUX_LAYERS:
             model.set_aux_hidden_state_layers(layer_ids)
             self._ef_undo = lambda: model.set_aux_hidden_state_layers(())
             inner_call = None
-        elif plan["strategy"] == "patched_forward":
-            inner_call = patched_deepseek_v2_forward(inner, layer_ids, plan["embedding_method"])
+        else:  # Strategy.PATCHED_FORWARD
+            inner_call = patched_deepseek_v2_forward(inner, layer_ids, plan.embedding_method)
             self._ef_undo = lambda: None
-        else:
-            raise ValueError(f"unknown capture strategy {plan['strategy']!r}")
         original = model.forward
 
         def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
@@ -163,9 +163,9 @@ class CaptureExtension:
         req_ids = runner.input_batch.req_ids[:num_reqs]
         bounds = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
         n = bounds[-1]
-        if len(aux) != len(self._ef_plan["layer_ids"]):
+        if len(aux) != len(self._ef_plan.layer_ids):
             raise RuntimeError(
-                f"the model returned {len(aux)} aux states for layer ids {self._ef_plan['layer_ids']}"
+                f"the model returned {len(aux)} aux states for layer ids {self._ef_plan.layer_ids}"
             )
         t0 = time.perf_counter()
         # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from eagleflow.data.conversations import BadRow, Conversation, DatasetError, read_conversations
+from eagleflow.engine.settings import EngineSettings
 
 
 def prompt_turns(messages) -> list[dict]:
@@ -101,68 +102,24 @@ def regenerate_conversations(
     return rows, bad, stats
 
 
-def vllm_generator(
-    target,
-    max_new_tokens: int,
-    max_model_len: int,
-    device: str = "cpu",
-    tensor_parallel_size: int = 1,
-    dtype: str = "bfloat16",
-    gpu_memory_utilization: float = 0.9,
-    cpu_kvcache_space_gib: int = 1,
-    cpu_threads_bind: str | None = None,
-    seed: int = 0,
-    max_num_seqs: int | None = None,
-    mla: bool = True,
-):
+def vllm_generator(settings: EngineSettings, max_new_tokens: int):
     """generate(prompt id lists) -> greedy reply texts through vLLM's `LLM.generate` (stops at
     the tokenizer's end-of-turn token or after `max_new_tokens`), and the finish counts.
 
-    `max_num_seqs`: vLLM's cap on sequences decoded together (None: vLLM's default, 256 per
-    CPU socket); one `generate` call hands vLLM a whole round, so on a CPU a larger cap means
-    fewer, fuller decode steps. `mla=False` sets VLLM_MLA_DISABLE=1 for this engine: vLLM then
-    builds the DeepSeek attention as `DeepseekV2Attention` (the latent `kv_a_proj_with_mqa` ->
-    `kv_a_layernorm` -> `kv_b_proj` up-projection run at every step and full per-head K/V
-    cached) instead of `DeepseekV2MLAAttention` (the latent cached, `kv_b_proj` absorbed into
-    the query/output). Same weights and, on paper, the same function; on vLLM 0.32's CPU
-    backend it decodes 5x faster for the tiny target. Both paths depend on eagleflow's fix of
-    vLLM 0.32's CPU rotary kernel (eagleflow.engine.vllm_fixes), applied below; before it, neither
-    path's greedy replies agreed with transformers' (README, "Regeneration on CPU")."""
-    from eagleflow.extract.shard import EngineSettings, check_platform, configure_process_env
-
-    settings = EngineSettings(
-        target=str(target),
-        device=device,
-        tensor_parallel_size=tensor_parallel_size,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        cpu_kvcache_space_gib=cpu_kvcache_space_gib,
-        cpu_threads_bind=cpu_threads_bind,
-    )
-    configure_process_env(settings)
-    os.environ["VLLM_MLA_DISABLE"] = "0" if mla else "1"
-    from vllm import LLM, SamplingParams
+    `settings.max_num_seqs`: vLLM's cap on sequences decoded together (None: vLLM's default);
+    one `generate` call hands vLLM a whole round, so on a CPU a larger cap means fewer, fuller
+    decode steps. `settings.mla=False` builds the DeepSeek attention as `DeepseekV2Attention`
+    (the latent `kv_a_proj_with_mqa` -> `kv_a_layernorm` -> `kv_b_proj` up-projection run at
+    every step and full per-head K/V cached) instead of `DeepseekV2MLAAttention` (the latent
+    cached, `kv_b_proj` absorbed into the query/output): the same weights and, on paper, the
+    same function, decoded much faster by vLLM's CPU backend (docs/measurements/)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    check_platform(device)
-    # Importing it applies the CPU rope fix here; as the worker extension, in vLLM's own processes.
-    from eagleflow.engine.fixed_worker import WORKER_EXTENSION as FIXED_WORKER
+    from eagleflow.engine.builder import build_engine
 
-    kwargs = dict(
-        model=str(target),
-        tokenizer=str(target),
-        tensor_parallel_size=tensor_parallel_size,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        enforce_eager=device == "cpu",
-        seed=seed,
-        worker_extension_cls=FIXED_WORKER,
-    )
-    if max_num_seqs:
-        kwargs["max_num_seqs"] = max_num_seqs
-    if device == "cuda":
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    llm = LLM(**kwargs)
+    # CUDA graphs speed up decoding on GPUs; the CPU backend runs eager.
+    llm = build_engine(settings, eager=settings.device == "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     finished = {"stop": 0, "length": 0}
 
@@ -198,7 +155,7 @@ def regenerate_dataset(
     max_length: int,
     max_new_tokens: int,
     on_bad_row: str = "error",
-    engine: dict | None = None,
+    engine: EngineSettings | None = None,
     generate=None,
     log=print,
 ) -> dict:
@@ -216,9 +173,10 @@ def regenerate_dataset(
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     finished = None
     if generate is None:
-        generate, finished = vllm_generator(
-            target_dir, max_new_tokens, max_length + max_new_tokens, **(engine or {})
+        settings = engine or EngineSettings(
+            str(target_dir), max_model_len=max_length + max_new_tokens
         )
+        generate, finished = vllm_generator(settings, max_new_tokens)
     started = time.time() - t0
     rows, more_bad, stats = regenerate_conversations(
         conversations, generate, chat_renderer(tokenizer), max_length, log

@@ -25,12 +25,15 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eagleflow.data.conversations import read_conversations
 from eagleflow.data.heldout import HELDOUT_MODULUS, heldout_prompts
+from eagleflow.draft.spec_decode_check import Speculation, engine_argument
+from eagleflow.engine.settings import EngineSettings
 
 
 def load_prompts(
@@ -191,20 +194,17 @@ def run_reference(target_dir, export_dir, prompts, k: int = 3, max_tokens: int =
 
 
 def run_vllm(
-    method: str,
-    target_dir,
+    engine: EngineSettings,
+    speculation: Speculation,
     prompts,
-    k: int,
     max_tokens: int,
-    draft_dir=None,
-    no_mla: bool = True,
     workdir=None,
-    timeout: int = 900,
     log=None,
 ) -> dict:
     """`eagleflow.draft.spec_decode_check` in a subprocess; returns its JSON or {"error": ...}."""
     import tempfile
 
+    method, k = speculation.method, speculation.k
     workdir = Path(workdir or tempfile.mkdtemp(prefix="eagleflow-acc-"))
     workdir.mkdir(parents=True, exist_ok=True)
     prompt_file = workdir / f"{method}.prompts.json"
@@ -216,8 +216,8 @@ def run_vllm(
         "eagleflow.draft.spec_decode_check",
         "--method",
         method,
-        "--target",
-        str(target_dir),
+        "--engine",
+        engine_argument(engine),
         "--k",
         str(k),
         "--max-tokens",
@@ -228,15 +228,13 @@ def run_vllm(
         "--out",
         str(out),
     ]
-    if draft_dir is not None:
-        cmd += ["--draft", str(draft_dir)]
-    if not no_mla:
-        cmd.append("--mla")
+    if speculation.draft is not None:
+        cmd += ["--draft", str(speculation.draft)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1])] + [x for x in [env.get("PYTHONPATH")] if x]
+        [str(Path(__file__).resolve().parents[2])] + [x for x in [env.get("PYTHONPATH")] if x]
     )
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if log is not None:
         log.write(proc.stdout[-20000:] + proc.stderr[-20000:])
     if proc.returncode != 0 or not out.exists():
@@ -305,37 +303,52 @@ def plot(results: dict, k: int, path) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int = 3  # speculative tokens
+    max_tokens: int = 32  # generated per prompt
+    num_prompts: int = 32
+    heldout_modulus: int = HELDOUT_MODULUS
+    paths: tuple[str, ...] = ("vllm_eagle3", "vllm_ngram", "reference")
+
+    @classmethod
+    def from_config(cls, config: dict) -> EvalSettings:
+        ev = config["evaluate"]
+        return cls(
+            k=ev["speculative_tokens"],
+            max_tokens=ev["max_tokens"],
+            num_prompts=ev["num_prompts"],
+            heldout_modulus=config["data"]["heldout_modulus"],
+            paths=tuple(ev["paths"]),
+        )
+
+
 def evaluate(
-    target_dir,
+    engine: EngineSettings,
     export_dir,
     dataset,
-    out_json,
-    out_png,
-    k: int = 3,
-    max_tokens: int = 32,
-    num_prompts: int = 32,
-    modulus: int = HELDOUT_MODULUS,
-    paths=("vllm_eagle3", "vllm_ngram", "reference"),
-    no_mla: bool = True,
+    cfg: EvalSettings,
+    outputs: tuple,
     workdir=None,
     log=print,
 ) -> dict:
-    prompts = load_prompts(dataset, target_dir, num_prompts, modulus)
-    log(f"{len(prompts)} held-out prompts (sha256(sample_id) % {modulus} == 0), k={k}")
+    """Acceptance of the draft in `export_dir` on the held-out prompts of `dataset`, through
+    each path of `cfg.paths`; `outputs`: (JSON report, PNG plot)."""
+    target_dir, k, max_tokens = engine.target, cfg.k, cfg.max_tokens
+    prompts = load_prompts(dataset, target_dir, cfg.num_prompts, cfg.heldout_modulus)
+    log(f"{len(prompts)} held-out prompts (sha256(sample_id) % {cfg.heldout_modulus} == 0), k={k}")
     results = {}
-    for name in paths:
+    for name in cfg.paths:
         t0 = time.time()
         try:
             if name == "reference":
                 results[name] = run_reference(target_dir, export_dir, prompts, k, max_tokens)
             elif name == "vllm_eagle3":
-                results[name] = run_vllm(
-                    "eagle3", target_dir, prompts, k, max_tokens, export_dir, no_mla, workdir
-                )
+                speculation = Speculation("eagle3", k, str(export_dir))
+                results[name] = run_vllm(engine, speculation, prompts, max_tokens, workdir)
             elif name == "vllm_ngram":
-                results[name] = run_vllm(
-                    "ngram", target_dir, prompts, k, max_tokens, None, no_mla, workdir
-                )
+                speculation = Speculation("ngram", k)
+                results[name] = run_vllm(engine, speculation, prompts, max_tokens, workdir)
             else:
                 raise ValueError(f"unknown path {name}")
         except Exception as e:  # a failing path is reported, the others still measured
@@ -364,10 +377,14 @@ def evaluate(
         "max_tokens": max_tokens,
         "target": str(target_dir),
         "draft": str(export_dir),
-        "heldout": {"modulus": modulus, "sample_ids": [p["sample_id"] for p in prompts]},
-        "vllm_mla_disabled": no_mla,
+        "heldout": {
+            "modulus": cfg.heldout_modulus,
+            "sample_ids": [p["sample_id"] for p in prompts],
+        },
+        "vllm_mla_disabled": not engine.mla,
         "results": results,
     }
+    out_json, out_png = outputs
     Path(out_json).write_text(json.dumps(report, indent=1))
     plot(results, k, out_png)
     return report

@@ -1,18 +1,39 @@
 """Load target + exported EAGLE-3 draft in vLLM, generate, and report vLLM's spec-decode counters.
 
-Run as a subprocess (`python -m eagleflow.draft.spec_decode_check --target T --draft D --out J`) so
-the engine's environment stays its own. On CPU the MLA target and a Llama-style draft clash
-on the KV block size (CPU_MLA wants 16, CPU_ATTN multiples of 32; field notes 11), so
-`--no-mla` (the default on CPU) runs the target's non-MLA attention path
-(VLLM_MLA_DISABLE=1), set here before vLLM is imported.
+Run as a subprocess (`python -m eagleflow.draft.spec_decode_check --engine E --draft D --out J`)
+so the engine's environment stays its own. On CPU the MLA target and a Llama-style draft clash
+on the KV block size (CPU_MLA wants 16, CPU_ATTN multiples of 32; field notes 11), so the
+evaluation's engine settings run the target's non-MLA attention path there (`mla: false`,
+VLLM_MLA_DISABLE=1, set by the engine builder before vLLM is imported).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
+from dataclasses import asdict, dataclass
+
+from eagleflow.engine.settings import EngineSettings
+
+
+@dataclass(frozen=True)
+class Speculation:
+    method: str  # eagle3 or ngram
+    k: int  # speculative tokens per step
+    draft: str | None = None  # exported draft directory (eagle3)
+
+    def config(self) -> dict:
+        if self.method == "eagle3":
+            return {"method": "eagle3", "model": self.draft, "num_speculative_tokens": self.k}
+        if self.method == "ngram":  # field notes 11
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": self.k,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+        raise ValueError(f"unknown method {self.method!r}")
 
 
 def spec_counters(metrics) -> dict:
@@ -29,52 +50,25 @@ def spec_counters(metrics) -> dict:
     return out
 
 
-def speculative_config(method: str, draft: str | None, k: int) -> dict:
-    if method == "eagle3":
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
-    if method == "ngram":  # field notes 11
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": k,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2,
-        }
-    raise ValueError(f"unknown method {method!r}")
-
-
 def run(
-    target: str,
-    draft: str | None,
-    k: int,
+    settings: EngineSettings,
+    speculation: Speculation,
     prompts: list,
     max_tokens: int,
-    no_mla: bool,
-    method: str = "eagle3",
     ignore_eos: bool = True,
 ) -> dict:
     """`prompts`: strings, or lists of token ids (already chat-templated)."""
-    if no_mla:
-        os.environ["VLLM_MLA_DISABLE"] = "1"
-    # The engine core in this process (a fifth of the start time of a spawned one here).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # Importing it applies the CPU rope fix here; as the worker extension, in vLLM's own processes.
-    from eagleflow.engine.fixed_worker import WORKER_EXTENSION as FIXED_WORKER
+    from eagleflow.engine.builder import build_engine
 
     t0 = time.time()
-    llm = LLM(
-        model=target,
-        speculative_config=speculative_config(method, draft, k),
-        enforce_eager=True,
-        max_model_len=512,
-        max_num_batched_tokens=512,
-        disable_log_stats=False,
+    llm = build_engine(
+        settings,
+        speculative_config=speculation.config(),
+        disable_log_stats=False,  # the spec-decode counters are stats
         enable_prefix_caching=False,
-        seed=0,
-        worker_extension_cls=FIXED_WORKER,
     )
     started = time.time() - t0
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
@@ -87,8 +81,8 @@ def run(
     drafts = counters.get("num_drafts", 0)
     accepted = counters.get("num_accepted_tokens", 0)
     return {
-        "k": k,
-        "method": method,
+        "k": speculation.k,
+        "method": speculation.method,
         "generate_s": round(generate_s, 2),
         "engine_start_s": round(started, 1),
         "total_s": round(time.time() - t0, 1),
@@ -103,7 +97,7 @@ def run(
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target", required=True)
+    p.add_argument("--engine", required=True, help="EngineSettings as JSON")
     p.add_argument("--draft", help="exported draft directory (method eagle3)")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
     p.add_argument("--prompt-ids", help="JSON file: a list of token-id lists (chat-templated)")
@@ -111,7 +105,6 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt", action="append")
-    p.add_argument("--mla", action="store_true", help="keep the target's MLA path (GPU)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.prompt_ids:
@@ -122,18 +115,20 @@ def main(argv=None):
     if a.method == "eagle3" and not a.draft:
         p.error("--draft is required for method eagle3")
     result = run(
-        a.target,
-        a.draft,
-        a.k,
+        EngineSettings(**json.loads(a.engine)),
+        Speculation(a.method, a.k, a.draft),
         prompts,
         a.max_tokens,
-        not a.mla,
-        a.method,
         ignore_eos=not a.stop_at_eos,
     )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k not in ("texts", "output_token_ids")}))
+
+
+def engine_argument(settings: EngineSettings) -> str:
+    """`--engine` for `settings`."""
+    return json.dumps(asdict(settings))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import csv
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -68,8 +68,39 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     )
 
 
+@dataclass
+class StepStats:
+    """Sums over the anchors of one TTT step (added over batches, all-reduced over ranks)."""
+
+    kl: float = 0.0
+    tokens: int = 0
+    correct: int = 0  # draft top-1 == target top-1
+    cond_correct: int = 0  # correct where every earlier step was correct too
+    cond_tokens: int = 0  # anchors where every earlier step was correct
+
+    def __add__(self, other: StepStats) -> StepStats:
+        return StepStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def metrics(self, k: int) -> dict:
+        return {
+            f"loss_{k}": self.kl / max(self.tokens, 1),
+            f"acc_{k}": self.correct / max(self.tokens, 1),
+            f"cond_acc_{k}": self.cond_correct / max(self.cond_tokens, 1),
+        }
+
+
+def all_reduce_stats(stats: list[StepStats], device) -> list[StepStats]:
+    """The per-step sums of every rank (one collective for all steps)."""
+    flat = torch.tensor([astuple(s) for s in stats], dtype=torch.float64, device=device)
+    dist.all_reduce(flat)
+    return [
+        StepStats(kl, int(n), int(ok), int(cok), int(cn))
+        for kl, n, ok, cok, cn in flat.cpu().tolist()
+    ]
+
+
 def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: float):
-    """Weighted KL over the TTT steps, plus per-step sums for the metrics."""
+    """Weighted KL over the TTT steps, and each step's `StepStats`."""
     total = logits[0].new_zeros(())
     stats = []
     target_logp = F.log_softmax(target_logits, dim=-1)
@@ -86,12 +117,12 @@ def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: floa
         correct[valid] = logq.argmax(-1) == tgt.argmax(-1)
         cond = prev_ok & valid
         stats.append(
-            (
-                float(kl.detach().sum()),
-                n,
-                int(correct.sum()),
-                int((correct & cond).sum()),
-                int(cond.sum()),
+            StepStats(
+                kl=float(kl.detach().sum()),
+                tokens=n,
+                correct=int(correct.sum()),
+                cond_correct=int((correct & cond).sum()),
+                cond_tokens=int(cond.sum()),
             )
         )
         prev_ok = prev_ok & correct
@@ -276,28 +307,23 @@ def train(
             device
         )
         loss, stats = optimizer_step(ddp, head, params, optim, cfg, batch, step, device)
-        sums = torch.tensor([loss.item()] + [v for s in stats for v in s], dtype=torch.float64)
+        loss = loss.detach()
         if world > 1:
-            sums = sums.to(device)
-            dist.all_reduce(sums)
-            sums = sums.cpu()
-            sums[0] /= world
+            dist.all_reduce(loss)
+            loss /= world
+            stats = all_reduce_stats(stats, device)
         row = {
             "step": step + 1,
             "lr": f"{lr_at(cfg, step):.3e}",
-            "loss": f"{sums[0]:.6f}",
-            "tokens": int(sums[2]),
+            "loss": f"{loss.item():.6f}",
+            "tokens": stats[0].tokens,
             "elapsed_s": f"{time.time() - t0:.2f}",
         }
-        for k in range(cfg.ttt_steps):
-            kl, n, ok, cond_ok, cond_n = sums[1 + 5 * k : 6 + 5 * k].tolist()
-            row.update(
-                {
-                    f"loss_{k}": f"{kl / max(n, 1):.6f}",
-                    f"acc_{k}": f"{ok / max(n, 1):.4f}",
-                    f"cond_acc_{k}": f"{cond_ok / max(cond_n, 1):.4f}",
-                }
-            )
+        for k, s in enumerate(stats):
+            m = s.metrics(k)
+            row[f"loss_{k}"] = f"{m[f'loss_{k}']:.6f}"
+            row[f"acc_{k}"] = f"{m[f'acc_{k}']:.4f}"
+            row[f"cond_acc_{k}"] = f"{m[f'cond_acc_{k}']:.4f}"
         rows.append(row)
         bar.update(1)
         bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
@@ -339,24 +365,16 @@ def evaluate_draft(
     target_config = read_target_config(target_dir)
     layout = read_layout(sorted(str(p) for p in shards), int(target_config["num_hidden_layers"]))
     head = TargetHead.load(target_dir, vocab.target_ids)
-    sums = torch.zeros(5 * ttt_steps, dtype=torch.float64)
+    sums = [StepStats() for _ in range(ttt_steps)]
     model.eval()
     for pack in make_packs(layout.paths, max_tokens):
         batch = load_pack(layout, pack, ttt_steps)
         logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, ttt_steps)
         _, stats = ttt_loss(logits, head(batch.final), batch, 1.0)
-        sums += torch.tensor([v for s in stats for v in s], dtype=torch.float64)
+        sums = [a + b for a, b in zip(sums, stats)]
     out = {}
-    for k in range(ttt_steps):
-        kl, n, ok, cond_ok, cond_n = sums[5 * k : 5 * k + 5].tolist()
-        out.update(
-            {
-                f"loss_{k}": kl / max(n, 1),
-                f"acc_{k}": ok / max(n, 1),
-                f"cond_acc_{k}": cond_ok / max(cond_n, 1),
-                f"tokens_{k}": int(n),
-            }
-        )
+    for k, s in enumerate(sums):
+        out |= s.metrics(k) | {f"tokens_{k}": s.tokens}
     # expected tokens per target step if drafts were accepted while they agree (greedy)
     run, length = 1.0, 1.0
     for k in range(ttt_steps):

@@ -11,6 +11,3 @@ fix_cpu_rope()
 
 class FixedWorker:
     """Adds nothing to the worker; importing this module is the point."""
-
-
-WORKER_EXTENSION = f"{__name__}.FixedWorker"

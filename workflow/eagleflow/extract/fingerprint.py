@@ -90,7 +90,7 @@ def extraction_fingerprint(
 
 def config_fingerprint(config: dict) -> tuple[str, dict]:
     """The fingerprint of a workflow configuration (what `common.smk` computes)."""
-    from eagleflow.capture.plan import vllm_version
+    from eagleflow.engine.version import vllm_version
     from eagleflow.target.info import read_target
     from eagleflow.target.layers import CONVENTION, resolve_layer_ids
 

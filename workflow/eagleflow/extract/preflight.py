@@ -10,17 +10,16 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from eagleflow.store.dtypes import itemsize
 from eagleflow.store.headers import read_header
 from eagleflow.target.info import (
     TargetError,
-    bytes_per_weight,
-    count_parameters,
     read_target,
+    weight_bytes,
     weight_files,
 )
 from eagleflow.target.layers import resolve_layer_ids
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
 # Room the engine needs beyond the weights on each device (activations, workspace).
 CPU_OVERHEAD_BYTES = 2 << 30
 
@@ -118,6 +117,26 @@ def check_devices(
     return checks
 
 
+def check_devices_for(settings) -> None:
+    """Device and memory checks for an engine (`EngineSettings`) where the job runs, printed;
+    the first failure ends the job with its sentence. A job given GPUs by SLURM still runs on
+    the configured `extract.device`."""
+    import sys
+
+    checks = check_devices(
+        settings.device,
+        settings.tensor_parallel_size,
+        weight_bytes(read_target(settings.target)),
+        settings.cpu_kvcache_space_gib,
+        settings.gpu_memory_utilization,
+    )
+    for check in checks:
+        print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}")
+    failed = [c.detail for c in checks if not c.ok]
+    if failed:
+        sys.exit(failed[0])
+
+
 def validate(
     config: dict, target_dir: str, total_tokens: int, results_dir: str, device_checks: bool = True
 ) -> tuple[bool, dict]:
@@ -158,12 +177,12 @@ def validate(
         checks.append(Check("layer_ids", False, str(e)))
     checks.append(_check_tokenizer(target_dir))
     checks.append(_check_weights(target_dir))
-    weight_bytes = int(count_parameters(info) * bytes_per_weight(info.text_config))
+    target_bytes = weight_bytes(info)
     if device_checks:
         checks += check_devices(
             ext["device"],
             tp,
-            weight_bytes,
+            target_bytes,
             ext["cpu_kvcache_space_gib"],
             ext["gpu_memory_utilization"],
         )
@@ -174,7 +193,7 @@ def validate(
             )
         )
     n_layers = len(layer_ids) if layer_ids else 0
-    out_bytes = total_tokens * n_layers * info.hidden_size * DTYPE_BYTES[ext["dtype"]]
+    out_bytes = total_tokens * n_layers * info.hidden_size * itemsize(ext["dtype"])
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(results_dir).free
     checks.append(
@@ -187,7 +206,7 @@ def validate(
         )
     )
     extra = {
-        "weight_bytes_estimate": weight_bytes,
+        "weight_bytes_estimate": target_bytes,
         "output_bytes_estimate": out_bytes,
         "layer_ids": layer_ids,
         "tensor_parallel_size": tp,

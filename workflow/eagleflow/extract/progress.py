@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
+from eagleflow.store.dtypes import itemsize
 
 
 def extraction_plan(
@@ -23,7 +23,7 @@ def extraction_plan(
             done.append(shard_id)
             records.append(json.loads(record_path.read_text()))
     todo_tokens = int(per_shard.drop(done).sum())
-    bytes_per_token = n_layers * hidden_size * DTYPE_BYTES[dtype]
+    bytes_per_token = n_layers * hidden_size * itemsize(dtype)
     measured = [r for r in records if r.get("tokens_extracted_now") and r.get("tokens_per_second")]
     tok_s = (
         (

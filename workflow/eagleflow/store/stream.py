@@ -16,14 +16,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.uint8: "U8",
-    torch.int32: "I32",
-}
+from eagleflow.store.dtypes import code_of
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -45,7 +38,7 @@ class StreamingWriter:
             for d in shape:
                 n *= d
             header[name] = {
-                "dtype": DTYPES[dtype],
+                "dtype": code_of(dtype),
                 "shape": list(shape),
                 "data_offsets": [offset, offset + n],
             }

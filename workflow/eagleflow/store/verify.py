@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +25,11 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.data.shards import TokenShard
+from eagleflow.store.dtypes import code_of
 from eagleflow.store.headers import cheap_check, file_sha256, read_header
 from eagleflow.store.integrity import quarantine
 
 KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
-DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16"}
 ROW_BLOCK = 4096
 
 
@@ -36,18 +37,30 @@ class ShardInvalid(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a shard of an extraction must hold beyond its tokens."""
+
+    fingerprint: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str  # extract.dtype
+
+    @classmethod
+    def of(cls, plan, dtype: str) -> Expected:
+        """From a capture plan (`eagleflow.capture.plan.CapturePlan`)."""
+        return cls(plan.fingerprint, list(plan.layer_ids), plan.hidden_size, dtype)
+
+
 def verify_shard(
     path: str | Path,
     tokens: TokenShard,
     record: dict,
-    fingerprint: str,
-    layer_ids: list[int],
-    hidden_size: int,
-    dtype: str,
+    expected: Expected,
     deep: bool = False,
 ) -> dict:
     path = Path(path)
-    problems = cheap_check(path, record, fingerprint)
+    problems = cheap_check(path, record, expected.fingerprint)
     if deep and not problems:
         digest = file_sha256(path)
         if digest != record.get("sha256"):
@@ -55,7 +68,7 @@ def verify_shard(
                 f"sha256 {digest[:16]}... differs from the recorded {str(record.get('sha256'))[:16]}... (content changed)"
             )
     if not problems:
-        problems += _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype)
+        problems += _verify_tensors(path, tokens, expected)
     return {
         "shard_id": tokens.shard_id,
         "path": str(path),
@@ -74,10 +87,7 @@ def verify_extracted_shard(
     path: str | Path,
     tokens: TokenShard,
     record: dict,
-    fingerprint: str,
-    layer_ids: list[int],
-    hidden_size: int,
-    dtype: str,
+    expected: Expected,
     report_path: str | Path,
     partial_dir: Path | None = None,
 ) -> dict:
@@ -86,7 +96,7 @@ def verify_extracted_shard(
     extracts afresh instead of re-assembling them) to `<hidden dir>/quarantine/` with the reason,
     and raise ShardInvalid naming the shard, the problems and where the files went."""
     t0 = time.perf_counter()
-    result = verify_shard(path, tokens, record, fingerprint, layer_ids, hidden_size, dtype)
+    result = verify_shard(path, tokens, record, expected)
     result["verify_seconds"] = round(time.perf_counter() - t0, 3)
     if not result["ok"]:
         dest = quarantine(Path(path).parent, tokens.shard_id, result["problems"])
@@ -103,7 +113,9 @@ def verify_extracted_shard(
     return result
 
 
-def _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype) -> list[str]:
+def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
+    fingerprint, layer_ids = expected.fingerprint, expected.layer_ids
+    hidden_size, dtype = expected.hidden_size, expected.dtype
     problems = []
     header, _ = read_header(path)
     keys = set(header) - {"__metadata__"}
@@ -112,7 +124,7 @@ def _verify_tensors(path, tokens, fingerprint, layer_ids, hidden_size, dtype) ->
     meta = header["__metadata__"]
     T = len(tokens.input_ids)
     expect = {
-        "hidden_states": ([T, len(layer_ids), hidden_size], DTYPE_NAMES[dtype]),
+        "hidden_states": ([T, len(layer_ids), hidden_size], code_of(dtype)),
         "input_ids": ([T], "I64"),
         "loss_mask": ([T], "U8"),
         "offsets": ([len(tokens.offsets)], "I64"),

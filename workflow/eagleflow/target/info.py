@@ -146,5 +146,10 @@ def _compressed_tensors_bits(q: dict):
     return None
 
 
+def weight_bytes(info: TargetInfo) -> int:
+    """Bytes of the target's weights, estimated from its config (no weight file is read)."""
+    return int(count_parameters(info) * bytes_per_weight(info.text_config))
+
+
 def weight_files(path: str | Path) -> list[Path]:
     return sorted(Path(path).glob("*.safetensors"))

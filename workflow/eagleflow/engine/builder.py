@@ -1,0 +1,69 @@
+"""The one way eagleflow starts and stops a vLLM engine (extraction, regeneration, evaluation).
+
+Every engine gets the CPU rope fix (`vllm_fixes`) in this process and, through its worker
+extension, in every process vLLM spawns; the caller chooses the extension (the capture hooks
+for extraction, `fixed_worker` otherwise) and any strategy-specific `LLM(...)` arguments.
+"""
+
+from __future__ import annotations
+
+from eagleflow.engine.settings import EngineSettings, configure_process_env
+from eagleflow.engine.vllm_fixes import fix_cpu_rope
+
+FIXED_WORKER = "eagleflow.engine.fixed_worker.FixedWorker"
+
+
+def check_platform(device: str) -> None:
+    from vllm.platforms import current_platform
+
+    found = current_platform.device_type
+    if found != device:
+        raise RuntimeError(
+            f"extract.device is {device!r} but the installed vLLM runs on {found!r}; install "
+            f"the vLLM build for {device} (envs/) or set extract.device: {found}"
+        )
+
+
+def build_engine(
+    settings: EngineSettings,
+    worker_extension: str = FIXED_WORKER,
+    eager: bool = True,
+    **llm_kwargs,
+):
+    """A started `vllm.LLM` for `settings`. `eager`: no CUDA graphs (the capture wrapper must
+    stay on the path; on CPU vLLM runs eager anyway). `llm_kwargs` go to `LLM(...)` last
+    (speculative or connector settings, `disable_log_stats`, ...)."""
+    configure_process_env(settings)
+    from vllm import LLM
+
+    check_platform(settings.device)
+    fix_cpu_rope()  # before the model is built (a single-process engine builds it here)
+    kwargs = dict(
+        model=settings.target,
+        tokenizer=settings.target,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        enforce_eager=eager,
+        worker_extension_cls=worker_extension,
+        seed=0,
+    )
+    if settings.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max(
+            settings.max_num_batched_tokens, settings.max_model_len
+        )
+    if settings.single_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    if settings.max_num_seqs:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.device == "cuda":
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    kwargs.update(llm_kwargs)
+    return LLM(**kwargs)
+
+
+def stop_engine(llm) -> None:
+    """Shut the engine down now, so its processes' last words land before the job's summary
+    line and their memory is free. LLM has no public shutdown in vLLM 0.32; the engine-core
+    client's is what its __del__ uses."""
+    llm.llm_engine.engine_core.shutdown()

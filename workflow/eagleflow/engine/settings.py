@@ -1,0 +1,96 @@
+"""Engine settings: one record for every vLLM engine eagleflow starts, built from the config
+in one place (`EngineSettings.from_config`), and the process environment vLLM reads."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    target: str
+    device: str = "cpu"
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 513
+    # None: vLLM's default. Never below max_model_len (a prompt must fit one forward).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: int = 1
+    cpu_threads_bind: str | None = None
+    # False: VLLM_MLA_DISABLE=1, the DeepSeek attention as plain attention over the same
+    # weights (regeneration and evaluation on CPU; see the config schema).
+    mla: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict, job: str = "extract") -> EngineSettings:
+        """The settings of a job (`extract`, `regenerate` or `evaluate`) from the workflow's
+        config: the device, parallelism and memory keys of `extract` are shared by all jobs."""
+        ext = config["extract"]
+        base = cls(
+            target=config["target"]["path"],
+            device=ext["device"],
+            tensor_parallel_size=ext["tensor_parallel_size"],
+            dtype=ext["dtype"],
+            max_model_len=config["data"]["max_length"] + 1,
+            gpu_memory_utilization=ext["gpu_memory_utilization"],
+            cpu_kvcache_space_gib=ext["cpu_kvcache_space_gib"],
+            cpu_threads_bind=ext["cpu_threads_bind"],
+        )
+        if job == "extract":
+            return replace(
+                base,
+                max_num_batched_tokens=ext["max_num_batched_tokens"],
+                max_num_seqs=ext["max_num_seqs"],
+            )
+        if job == "regenerate":
+            regen = config["data"]["regenerate"]
+            return replace(
+                base,
+                max_model_len=config["data"]["max_length"] + regen["max_new_tokens"],
+                max_num_seqs=regen["max_num_seqs"],
+                mla=regen["mla"],
+            )
+        if job == "evaluate":
+            # One engine with target and draft; a whole prompt in one forward.
+            ev = config["evaluate"]
+            length = config["data"]["max_length"] + ev["max_tokens"]
+            return replace(base, max_model_len=length, max_num_batched_tokens=length, mla=ev["mla"])
+        raise ValueError(f"unknown job {job!r}: extract, regenerate or evaluate")
+
+    @property
+    def single_process(self) -> bool:
+        """Run the engine core and its one worker in this process (TP=1): no spawn, no second
+        and third import of vLLM and torch (tens of seconds per engine start on a busy CPU),
+        and no start-up handshake that can time out under load.
+
+        Not when llvmlite (numba) is loaded here: vLLM 0.32's CPU worker start scans every
+        loaded module for Triton kernels and fails on llvmlite's `_lib_fn_wrapper` objects
+        ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"); a spawned engine
+        core starts from a clean interpreter."""
+        return self.tensor_parallel_size == 1 and "llvmlite" not in sys.modules
+
+
+def cpu_threads_bind(tp: int, configured: str | None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: the configured value, else the cores of this process split
+    evenly between the TP workers ("0-3|4-7")."""
+    if configured:
+        return configured
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(tp)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def configure_process_env(settings: EngineSettings) -> None:
+    """Environment vLLM reads at import and start; set before vLLM is imported."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.single_process else "1"
+    os.environ["VLLM_MLA_DISABLE"] = "0" if settings.mla else "1"
+    if settings.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+            settings.tensor_parallel_size, settings.cpu_threads_bind
+        )
