@@ -121,7 +121,3 @@ def current_shard_files(suffix):
         return shard_files(fingerprint()[0], suffix)
 
     return files
-
-
-# Per-rule cluster resources (GPUs, CPUs, memory, runtime) and where device checks run.
-include: "resources.smk"
