@@ -33,12 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleflow.capture.plan import CapturePlan, Strategy
+from eagleflow.capture.plan import CONNECTOR, CapturePlan, Strategy
 from eagleflow.store.chunks import ShardChunks
 
-CONNECTOR = "ExampleHiddenStatesConnector"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-PROPOSER_MODULE = "vllm.v1.spec_decode.extract_hidden_states"
 FILE_KEYS = ("hidden_states", "token_ids")
 
 

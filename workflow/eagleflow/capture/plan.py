@@ -105,6 +105,12 @@ STRATEGIES = tuple(s.value for s in Strategy)
 EXTRACT_HIDDEN_STATES_VERSIONS = ("0.32", "0.33")
 
 
+# vLLM's own extraction (the extract_hidden_states strategy; eagleflow.capture.connector).
+CONNECTOR = "ExampleHiddenStatesConnector"
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+PROPOSER_MODULE = "vllm.v1.spec_decode.extract_hidden_states"
+
+
 class CaptureCheckError(RuntimeError):
     pass
 
@@ -163,8 +169,6 @@ def introspect(spec: ArchSpec) -> dict:
 
 def introspect_extract_hidden_states() -> dict:
     """What vLLM's own extraction needs from the installed code (imports code, loads no weights)."""
-    from eagleflow.capture.connector import CONNECTOR, CONNECTOR_MODULE, PROPOSER_MODULE
-
     found = {
         "vllm_version": vllm_version(),
         "ehs_proposer": None,

@@ -1,0 +1,64 @@
+"""The package's layout: sub-packages by stage, dependencies running one way, no import cycle.
+
+Imports are read from the source (module level and inside functions alike), so a lazy import
+cannot hide a cycle."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "eagleflow"
+
+# Lower stages first; a sub-package may import only from itself and the ones before it.
+ORDER = ["logs", "target", "engine", "data", "store", "capture", "extract", "draft", "fixtures"]
+
+
+def module_imports() -> dict[str, set[str]]:
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m.split(".")[0] == "eagleflow"}
+    return graph
+
+
+def stage(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_sub_packages_mirror_the_stages():
+    subs = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert subs >= set(ORDER) - {"logs"} and len(subs) >= 4
+
+
+def test_dependencies_run_one_way():
+    wrong = []
+    for module, imports in module_imports().items():
+        for imported in imports:
+            a, b = stage(module), stage(imported)
+            if a and b and a != b and ORDER.index(b) > ORDER.index(a):
+                wrong.append(f"{module} imports {imported} ({a} comes before {b})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    graph = module_imports()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(module, stack):
+        if state.get(module) == 1:
+            raise AssertionError(" -> ".join(stack[stack.index(module) :] + [module]))
+        if state.get(module) == 2 or module not in graph:
+            return
+        state[module] = 1
+        for imported in sorted(graph[module]):
+            visit(imported, stack + [module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
