@@ -42,8 +42,8 @@ def dry_run(workdir, config):
     return job_counts(proc.stdout + proc.stderr), proc.stdout + proc.stderr
 
 
-def test_plan_reports_everything_done(extracted_workdir):
-    proc = snakemake(extracted_workdir, "plan", config=SMALL)
+def test_progress_reports_everything_done(extracted_workdir):
+    proc = snakemake(extracted_workdir, "progress", config=SMALL)
     assert "shards: 4 total, 4 done, 0 to do" in proc.stdout
     assert "tokens_to_do" not in proc.stdout and "bytes to write: 0.000 GiB" in proc.stdout
 

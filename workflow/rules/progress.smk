@@ -1,17 +1,18 @@
-# Planning and deep verification: targets that inspect, never extract.
+# Progress and deep verification: targets that inspect, never extract.
 
 
-# The plan reads the manifest and a few headers: where Snakemake runs, also on a cluster.
+# The progress report reads the manifest and a few headers: where Snakemake runs, also on a
+# cluster.
 localrules:
-    plan,
+    progress,
 
 
-rule plan:
+rule progress:
     input:
         manifest=shard_manifest,
         fingerprint=lambda wc: f"{hidden_dir()}/fingerprint.json",
     log:
-        f"{R}/logs/plan.log",
+        f"{R}/logs/progress.log",
     conda:
         CONDA_ENV
     params:
@@ -20,7 +21,7 @@ rule plan:
         hidden_size=lambda wc: read_target(TARGET).hidden_size,
         dtype=config["extract"]["dtype"],
     script:
-        "../scripts/plan.py"
+        "../scripts/progress.py"
 
 
 rule verify_deep:
