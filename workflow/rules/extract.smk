@@ -27,8 +27,8 @@ rule extract_shard:
         CONDA_ENV
     # One engine per machine when run locally (it uses every core); on a cluster the job asks
     # for GPUs on one node, CPUs and memory to match, and a runtime estimated from the
-    # shard's tokens, the throughput, the model load time and the verification read (README,
-    # "On a SLURM cluster").
+    # shard's tokens, the throughput, the model load time and the verification read
+    # (docs/slurm.md).
     threads: extract_threads
     resources:
         gpu=jobres.extract_gpus(EXTRACT),

@@ -1,4 +1,4 @@
-# Cluster resources, read by snakemake-executor-plugin-slurm (README, "On a SLURM cluster");
+# Cluster resources, read by snakemake-executor-plugin-slurm (docs/slurm.md);
 # on one machine only `threads` matters. The logic is in eagleflow.extract.resources.
 import eagleflow.extract.resources as jobres
 

@@ -1,9 +1,9 @@
 import os
 
 # Idle OpenMP threads sleep instead of spinning: with another process on the cores, spinning
-# threads waiting at every op's barrier made steps 10x slower here (2 threads: 20 s/step,
-# passive: 2 s/step, 1 thread: 1.6 s/step, same batches, machine shared). Read by torch's
-# OpenMP runtime when it loads, so before torch is imported.
+# threads waiting at every op's barrier slow every step many times over
+# (docs/measurements/target-training.md). Read by torch's OpenMP runtime when it loads, so
+# before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json

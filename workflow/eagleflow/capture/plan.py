@@ -146,7 +146,7 @@ def introspect(spec: ArchSpec) -> dict:
                 f"{spec.module}.{name}",
                 "the class to exist",
                 "no such class",
-                "Install a vLLM version this eagleflow supports (see README, support matrix).",
+                "Install a vLLM version this eagleflow supports (docs/support-matrix.md).",
             )
     inner_src = inspect.getsource(inner_cls.forward)
     embed = next(
@@ -223,7 +223,7 @@ def introspect_wrapper(wrapper: str) -> dict:
             f"{module}.{name}",
             "the class to exist",
             "no such class",
-            "Install a vLLM version that serves this checkpoint (see README, support matrix).",
+            "Install a vLLM version that serves this checkpoint (docs/support-matrix.md).",
         )
     fwd = inspect.getsource(cls.forward)
     aux = (

@@ -5,7 +5,7 @@ rotates a query given as [tokens, heads, head_size] wrongly for every head but t
 as [tokens, heads * head_size] it is right. Llama- and Qwen-style models pass 2-D queries;
 DeepseekV2/V3 attention (MLA and plain) passes its rope part as a 3-D view. On a random target,
 whose attention is near uniform, this hardly shows; on a trained one it moved the first layer's
-output by a median 3% and a 95th percentile of 105% (README, "Proven against a reference").
+output by a median 3% and a 95th percentile of 105% (docs/measurements/reference-check.md).
 
 `fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D result is wrong,
 routes 3-D calls through the 2-D layout. It must run in every process that builds a model

@@ -10,7 +10,7 @@ begin with a header of every tensor's name, dtype, shape and offsets; or a pinne
 layer ids and their convention, max length, dtype, capture strategy (as configured), the vLLM
 version (kernels change numerics), and EXTRACTION_CODE_VERSION. Not covered: tensor-parallel
 degree and batch sizes, which change only reduction order (TP=2 vs TP=1 agree within bf16
-tolerance; see README), so shards extracted at TP=8 and TP=1 are interchangeable.
+tolerance; docs/capture.md), so shards extracted at TP=8 and TP=1 are interchangeable.
 Cost: a few small reads per weight file; never the weights themselves.
 """
 
