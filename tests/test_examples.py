@@ -59,3 +59,18 @@ def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepsee
         p.name for p in (tmp_path / "results" / "hidden").glob("*/*")
     )
     assert "validate_env" in out
+
+
+@pytest.mark.parametrize("problem", ["does not exist", "has no config.json"])
+def test_a_missing_target_is_one_sentence_before_the_dag(problem, tmp_path):
+    target = tmp_path / "models" / "DeepSeek-V3"
+    if problem == "has no config.json":
+        target.mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = snakemake(work, "-n", "extract", config={"target": {"path": str(target)}}, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"target.path: {target} {problem}; set `target.path` in the config file" in out, out
+    assert "Traceback" not in out and "InputFunctionException" not in out, out
+    assert "Building DAG" not in out, out

@@ -4,6 +4,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 # The eagleflow package: importable here and in every job (local, conda or SLURM).
@@ -15,7 +16,10 @@ os.environ.update(
     )
 )
 
-from eagleflow.store.integrity import check_finished_shards
+from eagleflow.store.integrity import (
+    check_finished_shards,
+    set_aside_incomplete_manifest,
+)
 from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.info import TOKENIZER_FILES, read_target
@@ -26,9 +30,34 @@ validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 R = config["results_dir"]
 TARGET = config["target"]["path"]
 TINY_TARGET = "resources/targets/tiny-deepseek-v3"
+# The embedded tiny target briefly trained on the bundled corpus (target_training.smk), built
+# from the untrained fixture; config/config.yaml points `target.path` here.
+TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
+EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET)
 BUNDLED_DATA = "resources/data/bundled-chat.jsonl"
 HIDDEN = f"{R}/hidden/{{fp}}"
 CONDA_ENV = "../../envs/vllm-cuda.yaml"
+
+
+def check_target_path(path):
+    """A target the workflow does not build must exist before the DAG is: one sentence, not an
+    input function's traceback."""
+    if path in EMBEDDED_TARGETS:
+        return
+    where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+    if not os.path.isdir(path):
+        problem = "does not exist" if not os.path.exists(path) else "is not a directory"
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        problem = "has no config.json"
+    else:
+        return
+    raise WorkflowError(
+        f"target.path: {path}{where} {problem}; set `target.path` in the config file to a local "
+        "Hugging Face model directory (config.json, tokenizer files and safetensors weights)."
+    )
+
+
+check_target_path(TARGET)
 
 
 wildcard_constraints:
@@ -59,7 +88,18 @@ def fingerprint():
     return config_fingerprint(config)
 
 
+@cache
+def check_token_shards():
+    """Once per run, before the shard checkpoint is asked for: a manifest listing a token shard
+    that was deleted is moved aside, so the checkpoint re-shards instead of the extraction
+    jobs lacking their input."""
+    set_aside_incomplete_manifest(
+        f"{R}/shards", log=lambda m: print(m, file=sys.stderr)
+    )
+
+
 def shard_manifest(wildcards=None):
+    check_token_shards()
     return checkpoints.shard.get().output.manifest
 
 

@@ -1,11 +1,6 @@
 # Input functions and paths of the target-training, regeneration, draft and evaluation rules
 # (functions only, as `snakemake --lint` asks; common.smk holds the extraction's).
 
-# The embedded tiny target briefly trained on the bundled corpus (target_training.smk), built
-# from the untrained fixture; config/config.yaml points `target.path` here.
-TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
-EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET)
-
 # Response regeneration (regenerate.smk): its output is the dataset the shard rule reads.
 REGENERATE = config["data"]["regenerate"]
 REGENERATED_DATA = f"{R}/regenerated/dataset.jsonl"

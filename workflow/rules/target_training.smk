@@ -1,7 +1,7 @@
 # The embedded tiny target, briefly trained on the bundled corpus so its greedy outputs are
 # meaningful (a random target's near-flat distributions make acceptance length noise).
 # Built from the untrained fixture (tiny_target) into its own directory (TRAINED_TINY_TARGET,
-# draft_common.smk); config/config.yaml points `target.path` there, so the embedded default's
+# common.smk); config/config.yaml points `target.path` there, so the embedded default's
 # pipeline uses the trained target. Extraction tests pin the untrained one
 # (tests/workflow_runner.py).
 
