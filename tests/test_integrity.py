@@ -1,6 +1,6 @@
 import json
 
-from eagleflow.store.integrity import check_finished_shards
+from eagleflow.store.integrity import check_finished_shards, set_aside_incomplete_manifest
 from support.synthetic import FP, make_extracted_shard, make_token_shards
 
 
@@ -64,3 +64,61 @@ def test_summary_is_set_aside_only_when_a_shard_is_unfinished(tokenizer, tmp_pat
     (moved,) = (d / "quarantine").glob("summary-*")
     assert ids[1] in (moved / "reason.txt").read_text() and (moved / "verify_summary.tsv").exists()
     assert any("summary" in m for m in messages)
+
+
+def write_manifest(shards_dir, shard_ids):
+    import pandas as pd
+
+    (shards_dir / "tokens").mkdir(parents=True)
+    pd.DataFrame({"shard_id": [s for s in shard_ids for _ in range(3)]}).to_parquet(
+        shards_dir / "manifest.parquet"
+    )
+    for s in shard_ids:
+        (shards_dir / "tokens" / f"{s}.safetensors").write_bytes(b"tokens")
+
+
+def test_a_manifest_listing_a_deleted_token_shard_is_set_aside(tmp_path):
+    ids = [c * 20 for c in "abc"]
+    write_manifest(tmp_path, ids)
+    messages = []
+    assert set_aside_incomplete_manifest(tmp_path, log=messages.append) is None
+    assert (tmp_path / "manifest.parquet").exists() and messages == []
+
+    (tmp_path / "tokens" / f"{ids[1]}.safetensors").unlink()
+    dest = set_aside_incomplete_manifest(tmp_path, log=messages.append)
+    assert not (tmp_path / "manifest.parquet").exists()
+    assert (dest / "manifest.parquet").exists() and dest.parent == tmp_path / "quarantine"
+    assert f"token shard {ids[1]}.safetensors is missing" in (dest / "reason.txt").read_text()
+    (message,) = messages
+    assert f"1 token shard(s) listed in {tmp_path / 'manifest.parquet'} are missing" in message
+    assert "sharded again" in message
+    # Nothing left to set aside: the checkpoint re-shards.
+    assert set_aside_incomplete_manifest(tmp_path, log=messages.append) is None
+
+
+def test_an_unreadable_manifest_is_set_aside(tmp_path):
+    write_manifest(tmp_path, ["a" * 20])
+    (tmp_path / "manifest.parquet").write_bytes(b"not parquet")
+    messages = []
+    dest = set_aside_incomplete_manifest(tmp_path, log=messages.append)
+    assert dest is not None and not (tmp_path / "manifest.parquet").exists()
+    assert "is unreadable" in messages[0]
+
+
+def test_deleted_token_shard_makes_the_workflow_reshard(tmp_path):
+    """End to end, sharding only (no model): a token shard deleted by hand while the manifest
+    stays re-shards instead of failing every later run with a MissingInputException."""
+    from support.workflow_runner import SMALL, job_counts, snakemake
+
+    snakemake(tmp_path, "results/shards/manifest.parquet", config=SMALL)
+    tokens = tmp_path / "results" / "shards" / "tokens"
+    deleted = sorted(tokens.iterdir())[1]
+    deleted.unlink()
+    proc = snakemake(tmp_path, "-n", "extract", config=SMALL)
+    out = proc.stdout + proc.stderr
+    assert "MissingInputException" not in out
+    assert f"(first: {deleted.stem}); the manifest was moved to" in out, out[-3000:]
+    assert job_counts(out).get("shard") == 1
+    # The checkpoint runs again and writes the same (content-addressed) shard back.
+    snakemake(tmp_path, "results/shards/manifest.parquet", config=SMALL)
+    assert deleted.exists()

@@ -9,6 +9,11 @@ A missing shard alone is not enough: Snakemake re-runs a job whose output is mis
 when something downstream needs it, and the verification summary downstream still exists and
 is up to date by mtime. So whenever a shard of the current set lacks any of its files, the
 summary (a table derived from every shard, cheap to rebuild) is moved aside too.
+
+The token shards get the same treatment one level up: the shard checkpoint's manifest lists
+them, and Snakemake takes the checkpoint for done while the manifest exists, so a token shard
+deleted by hand would leave its extraction job without an input. A manifest that lists a
+missing token shard (or cannot be read) is moved aside, and the checkpoint re-shards.
 """
 
 from __future__ import annotations
@@ -92,3 +97,34 @@ def check_finished_shards(
             bad.append(shard_id)
     set_aside_stale_summary(hidden_dir, shard_ids, log=log)
     return bad
+
+
+def set_aside_incomplete_manifest(shards_dir: str | Path, log=print) -> Path | None:
+    """Move `<shards_dir>/manifest.parquet` to `<shards_dir>/quarantine/` when a token shard it
+    lists is missing from `<shards_dir>/tokens/` (or the manifest is unreadable), so that the
+    shard checkpoint runs again; return where it went."""
+    import pyarrow.parquet as pq
+
+    shards_dir = Path(shards_dir)
+    manifest = shards_dir / "manifest.parquet"
+    if not manifest.exists():
+        return None
+    try:
+        ids = set(pq.read_table(manifest, columns=["shard_id"]).column("shard_id").to_pylist())
+    except (OSError, ValueError, KeyError) as e:  # re-shard rather than fail later
+        problems, missing = [f"{manifest} is unreadable ({type(e).__name__}: {e})"], []
+    else:
+        tokens = shards_dir / "tokens"
+        names = set(os.listdir(tokens)) if tokens.is_dir() else set()
+        missing = sorted(s for s in ids if f"{s}.safetensors" not in names)
+        problems = [f"token shard {s}.safetensors is missing" for s in missing]
+    if not problems:
+        return None
+    dest = _move_aside(shards_dir, "manifest", [manifest], problems)
+    what = (
+        f"{len(missing)} token shard(s) listed in {manifest} are missing (first: {missing[0]})"
+        if missing
+        else problems[0]
+    )
+    log(f"eagleflow: {what}; the manifest was moved to {dest} and the data will be sharded again")
+    return dest
