@@ -1,4 +1,5 @@
-"""The workflow passes Snakemake's own linter and snakefmt (as the snakemake-workflows catalog asks)."""
+"""The workflow passes Snakemake's own linter and snakefmt (as the snakemake-workflows catalog
+asks), and the Python code ruff's lint and format checks (configured in pyproject.toml)."""
 
 import subprocess
 import sys
@@ -23,5 +24,19 @@ def test_snakefmt_check_passes():
     ]
     proc = subprocess.run(
         [str(BIN / "snakefmt"), "--check", *files], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_check_passes():
+    proc = subprocess.run(
+        [str(BIN / "ruff"), "check", "."], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_check_passes():
+    proc = subprocess.run(
+        [str(BIN / "ruff"), "format", "--check", "."], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
