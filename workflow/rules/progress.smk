@@ -17,8 +17,8 @@ rule progress:
         CONDA_ENV
     params:
         hidden_dir=hidden_dir,
-        layer_ids=lambda wc: layer_ids(),
-        hidden_size=lambda wc: read_target(TARGET).hidden_size,
+        layer_ids=after_sharding(layer_ids),
+        hidden_size=after_sharding(lambda: read_target(TARGET).hidden_size),
         dtype=config["extract"]["dtype"],
     script:
         "../scripts/progress.py"
