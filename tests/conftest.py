@@ -1,4 +1,5 @@
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,26 @@ def tokenizer():
 def tokenizer_dir(tmp_path_factory, tokenizer):
     d = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def fake_deepseek_v3(tmp_path, tokenizer_dir):
+    """DeepSeek-V3's real config.json and a tokenizer, weights reduced to one small file: a
+    stand-in for the GPU examples' `target.path` (tests/test_examples.py, test_docs_commands.py)."""
+    import torch
+    from safetensors.torch import save_file
+    from test_target import DEEPSEEK_V3
+
+    d = tmp_path / "DeepSeek-V3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    for p in Path(tokenizer_dir).iterdir():
+        shutil.copy(p, d / p.name)
+    save_file(
+        {"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
+        str(d / "model-00001-of-000163.safetensors"),
+    )
     return d
 
 

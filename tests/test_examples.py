@@ -3,31 +3,11 @@ with the target's tokenizer, the fingerprint and the DAG build, and validate_env
 any model load with a one-sentence reason (no CUDA devices here)."""
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import save_file
-from test_target import DEEPSEEK_V3
 
 from support.workflow_runner import REPO, snakemake
-
-
-@pytest.fixture
-def fake_deepseek_v3(tmp_path, tokenizer_dir):
-    """DeepSeek-V3's real config.json and a tokenizer, weights reduced to one small file."""
-    d = tmp_path / "DeepSeek-V3"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
-    for p in Path(tokenizer_dir).iterdir():
-        shutil.copy(p, d / p.name)
-    save_file(
-        {"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
-        str(d / "model-00001-of-000163.safetensors"),
-    )
-    return d
 
 
 @pytest.mark.parametrize("example", ["deepseek-v3-tp8.yaml", "kimi-k2.5-tp8.yaml"])
