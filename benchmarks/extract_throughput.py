@@ -250,15 +250,19 @@ def main():
             "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]},
         }
         print(
-            f"shard {name} ({n} tokens): plain {p:.0f} tok/s [{', '.join(f'{x:.0f}' for x in plain)}], "
+            f"shard {name} ({n} tokens): plain {p:.0f} tok/s "
+            f"[{', '.join(f'{x:.0f}' for x in plain)}], "
             f"eagleflow {o:.0f} tok/s [{', '.join(f'{x:.0f}' for x in ours)}], ratio {o / p:.3f}, "
-            f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS {max(peaks) / 2**30:.2f} GiB "
+            f"written {statistics.median(written) / 2**20:.1f} MiB/s, peak RSS "
+            f"{max(peaks) / 2**30:.2f} GiB "
             f"(plain {max(plain_peaks) / 2**30:.2f} GiB), "
             f"load average {min(loads):.1f}-{max(loads):.1f}"
         )
         print(
-            f"  per CPU-second of the process tree (load-insensitive): plain {statistics.median(plain_cpu):.1f} "
-            f"[{', '.join(f'{x:.1f}' for x in plain_cpu)}], eagleflow {statistics.median(ours_cpu):.1f} "
+            f"  per CPU-second of the process tree (load-insensitive): plain "
+            f"{statistics.median(plain_cpu):.1f} "
+            f"[{', '.join(f'{x:.1f}' for x in plain_cpu)}], eagleflow "
+            f"{statistics.median(ours_cpu):.1f} "
             f"[{', '.join(f'{x:.1f}' for x in ours_cpu)}] tok/cpu-s, cpu_ratio "
             f"{results[name]['cpu_ratio']:.3f}"
         )

@@ -338,7 +338,8 @@ def main(argv=None) -> int:
         else platform.processor() or "cpu"
     )
     print(
-        f"device: {device} ({name}); torch {torch.__version__}; {'small' if args.small else 'full'} sizes"
+        f"device: {device} ({name}); torch {torch.__version__}; "
+        f"{'small' if args.small else 'full'} sizes"
     )
     t_start = time.perf_counter()
     rows = []

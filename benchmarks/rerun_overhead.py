@@ -187,7 +187,8 @@ def main():
         best = times[0]
         per_1000 = best / n * 1000
         print(
-            f"{n} shards: no-op rerun decision {best:.2f} s (runs: {', '.join(f'{x:.2f}' for x in times)}), "
+            f"{n} shards: no-op rerun decision {best:.2f} s (runs: "
+            f"{', '.join(f'{x:.2f}' for x in times)}), "
             f"{per_1000:.2f} s per 1,000 shards"
         )
     print(f"seconds_per_1000_shards={per_1000:.3f}")

@@ -7,7 +7,7 @@ root=$(dirname "$here")
 venv=${EAGLEFLOW_VENV:-$root/.venv}
 py=${PYTHON:-python3}
 
-# `snakemake --profile slurm` (README, "On a SLURM cluster"): link the profile where
+# `snakemake --profile slurm` (docs/slurm.md): link the profile where
 # Snakemake finds it; done on every run, also when the environment is up to date.
 bash "$here/link-slurm-profile.sh"
 

@@ -111,7 +111,8 @@ def test_dense_models_use_their_own_aux_interface_only(tmp_path):
         make_plan(info, [2, 4], "patched_forward")
 
 
-# vLLM's own extract_hidden_states strategy: refused before any weights load wherever it cannot work.
+# vLLM's own extract_hidden_states strategy: refused before any weights load wherever it cannot
+# work.
 
 LLAMA_CFG = (
     '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, '

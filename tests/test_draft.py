@@ -63,7 +63,8 @@ def write_target(d: Path, seed=0) -> Path:
 
 
 def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, vocab_hi=V):
-    """A shard whose final state is a function of the next token (so there is something to learn)."""
+    """A shard whose final state is a function of the next token (so there is something to
+    learn)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(6, 14, (n_samples,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -581,7 +582,8 @@ def test_reference_loop_counts_like_vllm(monkeypatch):
     r = acc.reference_acceptance(
         target, None, [{"prompt_token_ids": [5, 6, 7]}], k=3, max_tokens=10
     )
-    # prefill gives 8; each run appends 2 drafts + the target's token: 8 | 9 10 11 | 12 13 14 | 15 16 17
+    # prefill gives 8; each run appends 2 drafts + the target's token: 8 | 9 10 11 | 12 13 14 | 15
+    # 16 17
     assert r["output_token_ids"] == [list(range(8, 18))]
     assert r["num_drafts"] == 3 and r["num_accepted_tokens"] == 6 and r["num_draft_tokens"] == 9
     assert r["num_accepted_tokens_per_pos"] == [3, 3, 0] and r["acceptance_length"] == 3.0

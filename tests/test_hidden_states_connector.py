@@ -62,9 +62,10 @@ def connector_write(kv_cache, storage, req_id, prompt, block_ids, delay=0.0, bac
     slots = (torch.arange(BLOCK).reshape(1, BLOCK) + block_ids_t.reshape(-1, 1) * BLOCK).flatten()
     hs = extract_from_kv_cache(kv_cache, slots, len(prompt)).clone()
     tensors = {"hidden_states": hs, "token_ids": torch.tensor(prompt)}
-    write = lambda: ExampleHiddenStatesConnector._write_tensors(
-        tensors, _Done(delay), filename, lock_fd
-    )  # noqa: E731
+
+    def write():
+        ExampleHiddenStatesConnector._write_tensors(tensors, _Done(delay), filename, lock_fd)
+
     if background:
         t = threading.Thread(target=write)
         t.start()
@@ -74,7 +75,8 @@ def connector_write(kv_cache, storage, req_id, prompt, block_ids, delay=0.0, bac
 
 
 def engine_run(tmp_path, prompts, block_table, seed=0):
-    """The cache-only layer's KV cache after one forward over `prompts`: [blocks, n_ids, block, H]."""
+    """The cache-only layer's KV cache after one forward over `prompts`:
+    [blocks, n_ids, block, H]."""
     g = torch.Generator().manual_seed(seed)
     kv_cache = torch.zeros(16, N_IDS, BLOCK, HIDDEN, dtype=torch.bfloat16)
     truth = []

@@ -103,7 +103,8 @@ def assert_same_states(a, b, what):
     rel = rel_err(a, b)
     close = float((rel < 0.1).float().mean())
     print(
-        f"{what}: median rel {float(rel.median()):.5f}, rows within 10%: {close:.3f}, max rel {float(rel.max()):.4f}"
+        f"{what}: median rel {float(rel.median()):.5f}, rows within 10%: {close:.3f}, max rel "
+        f"{float(rel.max()):.4f}"
     )
     assert a.shape == b.shape and float(rel.median()) < 0.02 and close > 0.9, what
 
@@ -260,7 +261,8 @@ def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
         states[tp] = capture(llm, shard, plan, tmp_path / f"tp{tp}", chunk_tokens=100)
     rel = rel_err(states[2], states[1])
     print(
-        f"TP=2 vs TP=1: max abs diff {float((states[2].float() - states[1].float()).abs().max()):.4f}, "
+        f"TP=2 vs TP=1: max abs diff "
+        f"{float((states[2].float() - states[1].float()).abs().max()):.4f}, "
         f"median rel {float(rel.median()):.5f}, p99 rel {float(rel.quantile(0.99)):.4f}"
     )
     # Same tolerance as against the float32 reference: TP changes only reduction order.
@@ -338,8 +340,8 @@ def test_dense_qwen3_target_through_the_same_path(qwen3, qwen3_aux, tmp_path_fac
 def test_extract_hidden_states_end_to_end_on_cpu(qwen3, qwen3_aux, engines, tmp_path, monkeypatch):
     """vLLM's own extract_hidden_states through eagleflow's extraction code, on the CPU: vLLM's
     proposer, cache-only KV layer and connector, with only the connector's two CUDA-only calls
-    replaced (tests/support/cpu_hidden_states_connector.py). The capture plan itself refuses CPU, so the
-    plan is the one a GPU node makes."""
+    replaced (tests/support/cpu_hidden_states_connector.py). The capture plan itself refuses
+    CPU, so the plan is the one a GPU node makes."""
     from eagleflow.capture.plan import CaptureCheckError
 
     ids = [0, *default_layer_ids(qwen3.info.num_layers)]

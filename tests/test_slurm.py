@@ -1,7 +1,8 @@
-"""`snakemake --profile slurm` against a real single-node SLURM on loopback (tests/slurm/cluster.sh):
-the embedded default goes through sbatch, a damaged shard fails its job (retried with more
-time, then reported with its log), a rerun after the fix runs only what failed, and a final
-rerun submits nothing. CPU extraction runs inside jobs that were given (fake) GPUs.
+"""`snakemake --profile slurm` against a real single-node SLURM on loopback
+(tests/slurm/cluster.sh): the embedded default goes through sbatch, a damaged shard fails its
+job (retried with more time, then reported with its log), a rerun after the fix runs only what
+failed, and a final rerun submits nothing. CPU extraction runs inside jobs that were given
+(fake) GPUs.
 
 Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
 tests fail. About 10 minutes on 2 cores."""
@@ -179,8 +180,9 @@ def runs(slurm_cluster, profile_home, tmp_path_factory):
     runs["again"] = p = snakemake_slurm(workdir, profile_home, "extract")
     assert p.returncode == 0, fail_msg(p)
     print(
-        f"SLURM test runs: {', '.join(f'{k} {runs[k].seconds:.0f} s' for k in ('shard', 'failed', 'fixed', 'again'))}; "
-        f"total {time.time() - t0:.0f} s"
+        "SLURM test runs: "
+        + ", ".join(f"{k} {runs[k].seconds:.0f} s" for k in ("shard", "failed", "fixed", "again"))
+        + f"; total {time.time() - t0:.0f} s"
     )
     return runs
 

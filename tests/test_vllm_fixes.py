@@ -35,7 +35,8 @@ def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
     import sys
 
     code = (
-        "from eagleflow.engine.vllm_fixes import cpu_rope_3d_is_wrong; assert cpu_rope_3d_is_wrong(); "
+        "from eagleflow.engine.vllm_fixes import cpu_rope_3d_is_wrong; assert "
+        "cpu_rope_3d_is_wrong(); "
         "import eagleflow.engine.fixed_worker; assert not cpu_rope_3d_is_wrong()"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -51,7 +51,8 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
         .read_text()
         .splitlines()
     )
-    # The job's last line is its summary; only Python's resource tracker may speak after it, at exit.
+    # The job's last line is its summary; only Python's resource tracker may speak after it, at
+    # exit.
     (last,) = [
         i
         for i, line in enumerate(lines)

@@ -57,7 +57,8 @@ def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=N
     )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+            f"{' '.join(cmd)} failed "
+            f"({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
 

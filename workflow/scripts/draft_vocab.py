@@ -18,7 +18,8 @@ with redirect_to_log(snakemake.log[0]):
     }
     print(
         f"draft vocabulary: {vocab.size} of {vocab_size} target ids, coverage of the "
-        f"loss-masked training tokens {summary['coverage']:.2%} ({summary['masked_tokens']} tokens, "
+        f"loss-masked training tokens {summary['coverage']:.2%} ({summary['masked_tokens']} "
+        "tokens, "
         f"{summary['distinct_tokens']} distinct), of the held-out ones "
         f"{summary['heldout_coverage']:.2%} ({summary['heldout_masked_tokens']} tokens)"
     )

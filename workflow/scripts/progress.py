@@ -1,16 +1,16 @@
 import pandas as pd
 
-from eagleflow.extract.progress import extraction_plan, format_plan
+from eagleflow.extract.progress import extraction_progress, format_progress
 from eagleflow.logs import redirect_to_log
 
-progress = extraction_plan(
+progress = extraction_progress(
     pd.read_parquet(snakemake.input.manifest),
     snakemake.params.hidden_dir,
     len(snakemake.params.layer_ids),
     snakemake.params.hidden_size,
     snakemake.params.dtype,
 )
-text = format_plan(progress)
+text = format_progress(progress)
 print(text)  # to the terminal: this target exists to be read
 with redirect_to_log(snakemake.log[0]):
     print(text)

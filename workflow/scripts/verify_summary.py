@@ -26,5 +26,6 @@ with redirect_to_log(snakemake.log[0]):
     table.to_parquet(snakemake.output.manifest, index=False)
     print(table.to_string(index=False))
     print(
-        f"{len(table)} shards, {int(table['n_tokens'].sum())} tokens, all verified: {bool(table['ok'].all())}"
+        f"{len(table)} shards, {int(table['n_tokens'].sum())} tokens, all verified: "
+        f"{bool(table['ok'].all())}"
     )

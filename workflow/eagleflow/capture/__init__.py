@@ -1,1 +1,2 @@
-"""How hidden states are captured: the checked plan, the worker hooks, vLLM's connector, the reference."""
+"""How hidden states are captured: the checked plan, the worker hooks, vLLM's connector,
+the reference."""

@@ -200,8 +200,10 @@ def commit_from_connector(
         file = params.get("hidden_states_path")
         if file is None:
             raise ConnectorFileError(
-                f"request {out.request_id}: no hidden_states_path in its kv_transfer_params ({params}); "
-                f"the engine was not started with {CONNECTOR} (capture.strategy extract_hidden_states)"
+                f"request {out.request_id}: no hidden_states_path in its kv_transfer_params "
+                f"({params}); "
+                f"the engine was not started with {CONNECTOR} (capture.strategy "
+                "extract_hidden_states)"
             )
         # The connector names the file after the engine's request id, "<output id>-<suffix>".
         if not Path(file).name.startswith(f"{out.request_id}-"):

@@ -234,8 +234,9 @@ def introspect_wrapper(wrapper: str) -> dict:
     init = inspect.getsource(cls.__init__)
     checks = {
         "forward returns self.language_model(...)": "self.language_model(" in fwd,
-        "set_aux_hidden_state_layers delegates to language_model": "self.language_model.set_aux_hidden_state_layers"
-        in aux,
+        "set_aux_hidden_state_layers delegates to language_model": (
+            "self.language_model.set_aux_hidden_state_layers" in aux
+        ),
         "language_model is built from text_config": "text_config" in init
         and "self.language_model" in init,
     }
@@ -245,7 +246,8 @@ def introspect_wrapper(wrapper: str) -> dict:
             f"{module}.{name}",
             "; ".join(checks),
             "not: " + "; ".join(bad),
-            "eagleflow captures through the wrapper's language_model; upgrade eagleflow for this vLLM.",
+            "eagleflow captures through the wrapper's language_model; "
+            "upgrade eagleflow for this vLLM.",
         )
     return {"wrapper_class": f"{module}.{name}", "wrapper_checks": list(checks)}
 
@@ -261,7 +263,10 @@ def check_extract_hidden_states(found: dict, device: str, is_mla: bool) -> list[
     from packaging.version import InvalidVersion, Version
 
     lo, hi = EXTRACT_HIDDEN_STATES_VERSIONS
-    other = "Use `capture.strategy: auto` (aux_layers: the same states, through the model's own EAGLE-3 interface)."
+    other = (
+        "Use `capture.strategy: auto` "
+        "(aux_layers: the same states, through the model's own EAGLE-3 interface)."
+    )
     try:
         v = Version(found["vllm_version"])
         in_range = Version(lo) <= Version(v.base_version) < Version(hi)
@@ -301,18 +306,19 @@ def check_extract_hidden_states(found: dict, device: str, is_mla: bool) -> list[
     ]
     if device != "cuda":
         raise _ehs_refusal(
-            f"extract.device is {device!r}, and ExampleHiddenStatesConnector copies the states through pinned "
-            'memory on a CUDA stream (on CPU vLLM 0.32 fails in _submit_async_write: "pin_memory=True '
-            'requires a CUDA or other accelerator backend"); GPU only',
+            f"extract.device is {device!r}, and ExampleHiddenStatesConnector copies the states "
+            "through pinned memory on a CUDA stream (on CPU vLLM 0.32 fails in "
+            '_submit_async_write: "pin_memory=True requires a CUDA or other accelerator '
+            'backend"); GPU only',
             other,
         )
     passed.append("device is cuda")
     if is_mla:
         raise _ehs_refusal(
-            "the target uses MLA (kv_lora_rank set); the hidden-states cache layer (HiddenStateCacheSpec, an "
-            'MLAAttentionSpec) cannot be isolated from MLA layers in its own KV cache group (vLLM: "MLA '
-            'verifiers are unsupported"), and its KV memory is over-reserved for DeepSeek-class models '
-            "(vLLM issues 53243, 56774)",
+            "the target uses MLA (kv_lora_rank set); the hidden-states cache layer "
+            "(HiddenStateCacheSpec, an MLAAttentionSpec) cannot be isolated from MLA layers in "
+            'its own KV cache group (vLLM: "MLA verifiers are unsupported"), and its KV memory '
+            "is over-reserved for DeepSeek-class models (vLLM issues 53243, 56774)",
             other,
         )
     passed.append("target is not MLA")

@@ -58,7 +58,8 @@ def decoder_layers(model):
 
 @torch.no_grad()
 def reference_states(model, input_ids: np.ndarray, layer_ids: list[int]) -> torch.Tensor:
-    """[T, n_layers, H] float32: the residual stream entering each layer id (id L = pre-norm output)."""
+    """[T, n_layers, H] float32: the residual stream entering each layer id (id L = pre-norm
+    output)."""
     layers = decoder_layers(model)
     L = len(layers)
     entering: dict[int, torch.Tensor] = {}

@@ -228,7 +228,8 @@ class CaptureExtension:
                 pos, ids, states = pos[keep][order], ids[keep][order], states[keep][order]
                 if not torch.equal(pos, want):
                     raise RuntimeError(
-                        f"request {rid}: captured positions do not cover 0..{length - 1} exactly once "
+                        f"request {rid}: captured positions do not cover 0..{length - 1} exactly "
+                        "once "
                         f"(got {len(pos)} rows; prefix caching must be off)"
                     )
             hidden[row : row + length] = states

@@ -39,7 +39,8 @@ from eagleflow.engine.settings import EngineSettings
 def load_prompts(
     dataset, tokenizer_dir, limit: int = 32, modulus: int = HELDOUT_MODULUS
 ) -> list[dict]:
-    """Held-out prompts (`eagleflow.data.heldout`), chat template + generation prompt, as token ids."""
+    """Held-out prompts (`eagleflow.data.heldout`), chat template + generation prompt, as token
+    ids."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -370,7 +371,8 @@ def evaluate(
                 r["output_token_ids"], reference
             )
             log(
-                f"{name} greedy agreement with the reference: {r['greedy_agreement_with_reference']}"
+                f"{name} greedy agreement with the reference: "
+                f"{r['greedy_agreement_with_reference']}"
             )
     report = {
         "k": k,

@@ -1,4 +1,5 @@
-"""Fixes for bugs of the installed vLLM that change hidden states, each checked before it is applied.
+"""Fixes for bugs of the installed vLLM that change hidden states, each checked before it is
+applied.
 
 vLLM 0.32's CPU rotary-embedding kernel (`RotaryEmbedding.forward_cpu`, `ops.rotary_embedding`)
 rotates a query given as [tokens, heads, head_size] wrongly for every head but the first; given
@@ -7,13 +8,13 @@ DeepseekV2/V3 attention (MLA and plain) passes its rope part as a 3-D view. On a
 whose attention is near uniform, this hardly shows; on a trained one it moved the first layer's
 output by a median 3% and a 95th percentile of 105% (docs/measurements/reference-check.md).
 
-`fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D result is wrong,
-routes 3-D calls through the 2-D layout. It must run in every process that builds a model
-before the model is built (vLLM binds the method at construction): eagleflow calls it where it
-starts engines and where its worker extension is imported. A process vLLM spawns (its V1
-engine core, by default) does not inherit the patch: eagleflow keeps the engine core in the
-calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) or reaches it through the worker extension.
-"""
+`fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D
+result is wrong, routes 3-D calls through the 2-D layout. It must run in every process that
+builds a model before the model is built (vLLM binds the method at construction): eagleflow
+calls it where it starts engines and where its worker extension is imported. A process vLLM
+spawns (its V1 engine core, by default) does not inherit the patch: eagleflow keeps the engine
+core in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) or reaches it through the
+worker extension."""
 
 from __future__ import annotations
 

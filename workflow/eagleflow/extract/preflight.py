@@ -75,7 +75,8 @@ def check_devices(
                 cores >= tp,
                 f"{cores} CPU cores for tensor_parallel_size={tp}"
                 if cores >= tp
-                else f"tensor_parallel_size={tp} needs at least {tp} CPU cores, this machine lets the job use {cores}; lower extract.tensor_parallel_size",
+                else f"tensor_parallel_size={tp} needs at least {tp} CPU cores, this machine lets "
+                f"the job use {cores}; lower extract.tensor_parallel_size",
             )
         )
         need = weight_bytes + tp * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
@@ -84,9 +85,12 @@ def check_devices(
             Check(
                 "memory",
                 need <= have,
-                f"weights {weight_bytes / 2**30:.2f} GiB + KV cache {tp * cpu_kvcache_gib} GiB + overhead fit in {have / 2**30:.1f} GiB available"
+                f"weights {weight_bytes / 2**30:.2f} GiB + KV cache {tp * cpu_kvcache_gib} GiB + "
+                f"overhead fit in {have / 2**30:.1f} GiB available"
                 if need <= have
-                else f"the target needs about {need / 2**30:.1f} GiB of RAM (weights, KV cache, overhead) but {have / 2**30:.1f} GiB is available; use a larger machine or a smaller extract.cpu_kvcache_space_gib",
+                else f"the target needs about {need / 2**30:.1f} GiB of RAM (weights, KV cache, "
+                f"overhead) but {have / 2**30:.1f} GiB is available; use a larger machine or a "
+                "smaller extract.cpu_kvcache_space_gib",
             )
         )
     else:
@@ -99,7 +103,8 @@ def check_devices(
                 n >= tp,
                 f"{n} CUDA devices for tensor_parallel_size={tp}"
                 if n >= tp
-                else f"tensor_parallel_size={tp} needs {tp} CUDA devices, {n} are visible; run on a node with {tp} GPUs or lower extract.tensor_parallel_size",
+                else f"tensor_parallel_size={tp} needs {tp} CUDA devices, {n} are visible; run on "
+                f"a node with {tp} GPUs or lower extract.tensor_parallel_size",
             )
         )
         if n >= tp:
@@ -109,9 +114,12 @@ def check_devices(
                 Check(
                     "memory",
                     per_device < budget,
-                    f"{per_device / 2**30:.1f} GiB of weights per GPU fit in {budget / 2**30:.1f} GiB"
+                    f"{per_device / 2**30:.1f} GiB of weights per GPU fit in {budget / 2**30:.1f} "
+                    "GiB"
                     if per_device < budget
-                    else f"each GPU needs {per_device / 2**30:.1f} GiB for weights at TP={tp} but only {budget / 2**30:.1f} GiB is usable; raise extract.tensor_parallel_size or use larger GPUs",
+                    else f"each GPU needs {per_device / 2**30:.1f} GiB for weights at TP={tp} but "
+                    f"only {budget / 2**30:.1f} GiB is usable; raise extract.tensor_parallel_size "
+                    "or use larger GPUs",
                 )
             )
     return checks
@@ -149,7 +157,8 @@ def validate(
             not missing,
             ", ".join(f"{k} {v}" for k, v in versions.items())
             if not missing
-            else f"packages {missing} are not installed; run envs/setup-cpu.sh (CPU) or create envs/vllm-cuda.yaml (GPU)",
+            else f"packages {missing} are not installed; run envs/setup-cpu.sh (CPU) or create "
+            "envs/vllm-cuda.yaml (GPU)",
         )
     )
     ext, cap = config["extract"], config["capture"]
@@ -200,9 +209,12 @@ def validate(
         Check(
             "disk",
             out_bytes < free,
-            f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} layers x {info.hidden_size}) fit in {free / 2**30:.1f} GiB free"
+            f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} "
+            f"layers x {info.hidden_size}) fit in {free / 2**30:.1f} GiB free"
             if out_bytes < free
-            else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} tokens x {n_layers} layers x {info.hidden_size} x 2 bytes) but {results_dir} has {free / 2**30:.1f} GiB free; free space or point results_dir elsewhere",
+            else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
+            f"tokens x {n_layers} layers x {info.hidden_size} x 2 bytes) but {results_dir} has "
+            f"{free / 2**30:.1f} GiB free; free space or point results_dir elsewhere",
         )
     )
     extra = {
@@ -224,7 +236,8 @@ def _check_tokenizer(target_dir) -> Check:
         return Check(
             "tokenizer",
             False,
-            f"{target_dir}: the tokenizer does not load ({type(e).__name__}: {e}); check the tokenizer files",
+            f"{target_dir}: the tokenizer does not load ({type(e).__name__}: {e}); check the "
+            "tokenizer files",
         )
     if not tok.chat_template:
         return Check(

@@ -11,7 +11,7 @@ import pandas as pd
 from eagleflow.store.dtypes import itemsize
 
 
-def extraction_plan(
+def extraction_progress(
     manifest: pd.DataFrame, hidden_dir: str | Path, n_layers: int, hidden_size: int, dtype: str
 ) -> dict:
     hidden_dir = Path(hidden_dir)
@@ -50,17 +50,19 @@ def extraction_plan(
     }
 
 
-def format_plan(plan: dict) -> str:
+def format_progress(plan: dict) -> str:
     est = plan["estimated_seconds"]
     eta = (
         f"{est / 60:.1f} min at {plan['measured_tokens_per_second']} tok/s and "
-        f"{plan['measured_engine_start_seconds']} s engine start per job (measured on finished shards)"
+        f"{plan['measured_engine_start_seconds']} s engine start per job (measured on finished "
+        "shards)"
         if est is not None
         else "unknown until a shard has been extracted"
     )
     return "\n".join(
         [
-            f"shards: {plan['shards_total']} total, {plan['shards_done']} done, {plan['shards_to_do']} to do",
+            f"shards: {plan['shards_total']} total, {plan['shards_done']} done, "
+            f"{plan['shards_to_do']} to do",
             f"tokens: {plan['tokens_total']} total, {plan['tokens_to_do']} to do",
             f"bytes to write: {plan['bytes_to_write'] / 2**30:.3f} GiB",
             f"estimated time: {eta}",

@@ -81,7 +81,8 @@ def shard_lock(partial_dir: Path, shard_id: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(
-                f"shard {shard_id} is being extracted by another process (lock {partial_dir}/lock); "
+                f"shard {shard_id} is being extracted by another process (lock "
+                f"{partial_dir}/lock); "
                 "wait for it, or stop the other run"
             ) from None
         yield

@@ -1,1 +1,2 @@
-"""Stored tensors: dtypes, safetensors headers and streaming writes, chunks, integrity, verification."""
+"""Stored tensors: dtypes, safetensors headers and streaming writes, chunks, integrity,
+verification."""

@@ -41,7 +41,8 @@ def cheap_check(path: str | Path, record: dict, fingerprint: str) -> list[str]:
     size = path.stat().st_size
     if size != record.get("bytes"):
         problems.append(
-            f"size {size} bytes, the extraction record says {record.get('bytes')} (truncated or replaced)"
+            f"size {size} bytes, the extraction record says {record.get('bytes')} (truncated or "
+            "replaced)"
         )
     try:
         header, data_start = read_header(path)
@@ -50,7 +51,8 @@ def cheap_check(path: str | Path, record: dict, fingerprint: str) -> list[str]:
     meta = header.get("__metadata__", {})
     if meta.get("fingerprint") != fingerprint:
         problems.append(
-            f"fingerprint {meta.get('fingerprint')!r} in the file, expected {fingerprint!r} (a file from another configuration)"
+            f"fingerprint {meta.get('fingerprint')!r} in the file, expected {fingerprint!r} (a "
+            "file from another configuration)"
         )
     if meta.get("shard_id") != record.get("shard_id"):
         problems.append(

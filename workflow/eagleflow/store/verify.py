@@ -65,7 +65,8 @@ def verify_shard(
         digest = file_sha256(path)
         if digest != record.get("sha256"):
             problems.append(
-                f"sha256 {digest[:16]}... differs from the recorded {str(record.get('sha256'))[:16]}... (content changed)"
+                f"sha256 {digest[:16]}... differs from the recorded "
+                f"{str(record.get('sha256'))[:16]}... (content changed)"
             )
     if not problems:
         problems += _verify_tensors(path, tokens, expected)
@@ -103,7 +104,8 @@ def verify_extracted_shard(
         if partial_dir is not None and Path(partial_dir).exists():
             os.replace(partial_dir, dest / "chunks")
         raise ShardInvalid(
-            f"shard {tokens.shard_id} ({path}) failed verification: {'; '.join(result['problems'])}. "
+            f"shard {tokens.shard_id} ({path}) failed verification: "
+            f"{'; '.join(result['problems'])}. "
             f"Its files were moved to {dest}; the next run extracts it again."
         )
     report_path = Path(report_path)
@@ -114,7 +116,7 @@ def verify_extracted_shard(
 
 
 def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
-    fingerprint, layer_ids = expected.fingerprint, expected.layer_ids
+    layer_ids = expected.layer_ids
     hidden_size, dtype = expected.hidden_size, expected.dtype
     problems = []
     header, _ = read_header(path)
