@@ -9,6 +9,7 @@ from conftest import write_jsonl
 from eagleflow.data.conversations import DatasetError, read_conversations
 from eagleflow.data.heldout import heldout_prompts
 from eagleflow.data.regenerate import regenerate_dataset
+from eagleflow.engine.settings import EngineSettings
 
 
 def fake_generate(calls):
@@ -153,7 +154,7 @@ def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
         tmp_path / "r.jsonl",
         max_length=128,
         max_new_tokens=12,
-        engine={"mla": False, "max_num_seqs": 4},
+        engine=EngineSettings(str(target), max_model_len=128 + 12, max_num_seqs=4, mla=False),
     )
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert summary["replies"] == 3 and sum(summary["finish_reasons"].values()) == 3
