@@ -172,7 +172,8 @@ def test_a_worker_error_reaches_the_job_log_with_its_traceback(extracted_workdir
     shard_id = sorted(p.stem for p in d.glob("*.safetensors"))[2]
     forget_shard(work, shard_id)
     plan = json.loads((d / "capture_plan.json").read_text())
-    plan.update(strategy="patched_forward", embedding_method="embed_tokens_that_do_not_exist")
+    plan["strategy"] = "patched_forward"
+    plan["introspection"]["embedding_method"] = "embed_tokens_that_do_not_exist"
     (d / "capture_plan.json").write_text(json.dumps(plan))
     proc = snakemake(work, *shard_targets(work, shard_id), config=SMALL, check=False)
     assert proc.returncode != 0
@@ -180,5 +181,5 @@ def test_a_worker_error_reaches_the_job_log_with_its_traceback(extracted_workdir
     assert f"shard {shard_id}:" in log
     assert "Traceback (most recent call last)" in log
     assert "AttributeError" in log and "embed_tokens_that_do_not_exist" in log
-    assert "capture_worker.py" in log  # the frame inside the worker, not just the driver's
+    assert "capture/worker.py" in log  # the frame inside the worker, not just the driver's
     assert not (d / f"{shard_id}.safetensors").exists()

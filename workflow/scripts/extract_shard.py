@@ -10,11 +10,11 @@ from eagleflow.store.verify import ShardInvalid
 
 
 def main():
-    settings = EngineSettings.from_config(snakemake.config, "extract")
-    plan = CapturePlan.load(snakemake.input.plan)
     out = snakemake.output
     outputs = ShardOutputs(Path(out.hidden), Path(out.record), Path(out.report))
     with redirect_to_log(snakemake.log[0]):
+        settings = EngineSettings.from_config(snakemake.config, "extract")
+        plan = CapturePlan.load(snakemake.input.plan)
         # Where the job runs (validate_env may have run on a login node without GPUs).
         check_devices_for(settings)
         try:
