@@ -20,6 +20,7 @@ from eagleflow.store.quant import (
     FP8_MAX,
     MIN_SCALE,
     SCALES_KEY,
+    ShardStates,
     StorageError,
     bytes_per_token,
     dequantize,
@@ -118,6 +119,8 @@ def test_fp8_shard_layout_size_and_values(shards):
         rel, cos = row_errors(ref, got)
         assert rel.max() <= 0.07 and cos.min() >= 0.999
         assert torch.equal(read_states(b, fp8, slice(5, 9)), got[5:9])
+        assert torch.equal(ShardStates(b, fp8)[5:9], got[5:9])
+        assert torch.equal(ShardStates(a, bf16)[5:9], ref[5:9])
     assert verify_shard(fp8, shard, record, expected(), deep=True)["ok"]
 
 

@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 from eagleflow.capture.reference import check_shard_against_reference, load_reference_model
 from eagleflow.logs import redirect_to_log
-from eagleflow.store.quant import read_states
+from eagleflow.store.quant import ShardStates
 
 with redirect_to_log(snakemake.log[0]):
     model = load_reference_model(snakemake.params.target, device=snakemake.params.device)
@@ -21,7 +21,7 @@ with redirect_to_log(snakemake.log[0]):
             samples = list(range(0, n, step))[: snakemake.params.samples_per_shard]
             stats = check_shard_against_reference(
                 model,
-                read_states(f, path),  # fp8 shards dequantized
+                ShardStates(f, path),  # only the sampled rows read; fp8 dequantized
                 f.get_tensor("input_ids").numpy(),
                 offsets,
                 json.loads(meta["layer_ids"]),

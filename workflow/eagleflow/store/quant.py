@@ -95,3 +95,14 @@ def read_states(f, path, rows: slice | None = None, dtype=None):
             "its states cannot be dequantized (a damaged or foreign file: extract it again)"
         )
     return dequantize(hs[rows], f.get_slice(SCALES_KEY)[rows], dtype)
+
+
+class ShardStates:
+    """The states of an open shard, read (and dequantized) only where indexed, `states[a:b]`:
+    a reader that samples a few rows never holds the whole shard, in float32 or otherwise."""
+
+    def __init__(self, f, path, dtype=None):
+        self.f, self.path, self.dtype = f, path, dtype
+
+    def __getitem__(self, rows: slice):
+        return read_states(self.f, self.path, rows, self.dtype)
