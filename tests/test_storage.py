@@ -221,6 +221,30 @@ def test_progress_estimates_bytes_of_the_storage_dtype(tmp_path):
     assert fp8["bytes_to_write"] == 150 * 4 * (256 + 4)
 
 
+def test_validate_env_disk_check_uses_the_storage_dtype(fake_deepseek_v3, tmp_path):
+    import yaml
+    from snakemake.utils import validate as validate_schema
+
+    from eagleflow.extract.preflight import validate
+    from support.workflow_runner import REPO
+
+    cfg = yaml.safe_load((REPO / "config/examples/deepseek-v3-tp8.yaml").read_text())
+    validate_schema(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    estimates = {}
+    for storage in ("bfloat16", FP8):
+        cfg["capture"]["storage_dtype"] = storage
+        ok, report = validate(
+            cfg, str(fake_deepseek_v3), 10_000, str(tmp_path / "results"), device_checks=False
+        )
+        assert ok, [c for c in report["checks"] if not c["ok"]]
+        (disk,) = [c for c in report["checks"] if c["name"] == "disk"]
+        assert disk["ok"] and f"stored as {storage}" in disk["detail"]
+        estimates[storage] = report["output_bytes_estimate"]
+    n_layers = len(report["layer_ids"])
+    assert estimates["bfloat16"] == 10_000 * n_layers * 7168 * 2
+    assert estimates[FP8] == 10_000 * n_layers * (7168 + 4)
+
+
 def test_storage_dtype_is_in_the_schema_with_its_default():
     import yaml
 

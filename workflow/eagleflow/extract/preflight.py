@@ -212,7 +212,7 @@ def validate(
             "disk",
             out_bytes < free,
             f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} "
-            f"layers x {info.hidden_size}) fit in {free / 2**30:.1f} GiB free"
+            f"layers x {info.hidden_size}, stored as {storage}) fit in {free / 2**30:.1f} GiB free"
             if out_bytes < free
             else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
             f"tokens x {per_token} bytes: {n_layers} layers x {info.hidden_size}, stored as "
