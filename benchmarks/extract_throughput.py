@@ -12,6 +12,7 @@ The target is the embedded architecture (DeepseekV3, MLA + MoE) at a larger hidd
 built by the same fixture code, so compute dominates Python overhead.
 
 Usage: .venv/bin/python benchmarks/extract_throughput.py [--tokens 8000] [--repeats 3]
+       [--storage-dtype float8_e4m3fn]
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ def main():
     ap.add_argument("--sizes", default="1x,4x", help="which shards to run: 1x, 4x or both")
     ap.add_argument("--chunk-tokens", type=int, default=4096)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/eagleflow-throughput-bench"))
+    ap.add_argument(
+        "--storage-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float8_e4m3fn"],
+        help="capture.storage_dtype of the extraction arm",
+    )
     args = ap.parse_args()
     target = args.workdir / "target"
     if not (target / "model.safetensors").exists():
@@ -164,7 +171,9 @@ def main():
         "4x": lambda: make_shard(tokenizer, 4 * args.tokens, 2),
     }
     shards = {name: build[name]() for name in args.sizes.split(",")}
-    plan = make_plan(info, default_layer_ids(info.num_layers), "auto")
+    plan = make_plan(
+        info, default_layer_ids(info.num_layers), "auto", storage_dtype=args.storage_dtype
+    )
     max_len = max(int(max(s.offsets[1:] - s.offsets[:-1])) for s in shards.values()) + 1
     settings = EngineSettings(
         target=str(target), max_model_len=max_len, max_num_batched_tokens=8192
@@ -176,7 +185,7 @@ def main():
     )
     print(
         f"capture: layer ids {plan.layer_ids}, strategy {plan.strategy.value}, "
-        f"chunk_tokens {args.chunk_tokens}"
+        f"chunk_tokens {args.chunk_tokens}, storage {plan.storage_dtype}"
     )
     for name, s in shards.items():
         lengths = s.offsets[1:] - s.offsets[:-1]
@@ -213,7 +222,7 @@ def main():
                 plain.append(n / plain_prefill(llm, shard))
             plain_cpu.append(n / (tree_cpu_seconds() - c0))
             plain_peaks.append(mem.peak)
-            llm.collective_rpc("eagleflow_install", args=(plan,))
+            llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
 
         def run_ours():
             c0 = tree_cpu_seconds()

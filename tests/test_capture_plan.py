@@ -313,7 +313,7 @@ def test_extract_hidden_states_example_plans_for_a_dense_gpu_target(tmp_path):
 def test_patch_script_passes_the_configured_device(tmp_path):
     """workflow/scripts/patch.py (what the `patch` rule runs) plans with `extract.device`: on
     cpu it stops before any load with the refusal (the rule's log gets its traceback), on cuda
-    it writes the plan."""
+    it writes the plan, with `capture.storage_dtype` from the config."""
     import json
     import runpy
     from pathlib import Path
@@ -335,7 +335,10 @@ def test_patch_script_passes_the_configured_device(tmp_path):
                     "strategy": "extract_hidden_states",
                 },
             ),
-            config={"extract": {"device": device}},
+            config={
+                "extract": {"device": device},
+                "capture": {"storage_dtype": "float8_e4m3fn"},
+            },
             wildcards=SimpleNamespace(fp="fp0"),
             log=[str(log)],
             output=[str(out)],
@@ -353,4 +356,5 @@ def test_patch_script_passes_the_configured_device(tmp_path):
     plan = CapturePlan.load(out)
     assert plan.strategy == "extract_hidden_states" and plan.device == "cuda"
     assert plan.layer_ids == [2, 4, 5, 8] and plan.fingerprint == "fp0"
+    assert plan.storage_dtype == "float8_e4m3fn"
     assert json.loads(out.read_text())["strategy"] == "extract_hidden_states"

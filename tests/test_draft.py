@@ -27,6 +27,7 @@ from eagleflow.draft.vocab import (
     save_vocab,
     vocab_from_counts,
 )
+from eagleflow.store.quant import FP8, SCALES_KEY, quantize
 
 REPO = Path(__file__).resolve().parents[1]
 H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
@@ -62,9 +63,11 @@ def write_target(d: Path, seed=0) -> Path:
     return d
 
 
-def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, vocab_hi=V):
+def write_shard(
+    path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, vocab_hi=V, storage_dtype=None
+):
     """A shard whose final state is a function of the next token (so there is something to
-    learn)."""
+    learn); `storage_dtype` float8_e4m3fn stores it quantized, with its scales."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(6, 14, (n_samples,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -73,9 +76,12 @@ def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, voca
     mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
     table = torch.randn(V, len(layer_ids), H, generator=torch.Generator().manual_seed(99))
     hidden = table[ids] + 0.05 * torch.randn(n, len(layer_ids), H, generator=g)
+    states = {"hidden_states": hidden.bfloat16()}
+    if storage_dtype == FP8:
+        states["hidden_states"], states[SCALES_KEY] = quantize(states["hidden_states"])
     save_file(
         {
-            "hidden_states": hidden.bfloat16(),
+            **states,
             "input_ids": ids,
             "loss_mask": mask,
             "offsets": offsets,
@@ -87,6 +93,7 @@ def write_shard(path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, voca
             "format": "eagleflow-hidden-v1",
             "fingerprint": "0" * 16,
             "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)]),
+            **({"storage_dtype": storage_dtype} if storage_dtype else {}),
         },
     )
     return path
@@ -245,6 +252,35 @@ def test_ttt_loss_decreases(tiny, tmp_path):
     for k in range(3):  # every TTT step learns
         assert float(rows[-1][f"loss_{k}"]) < float(rows[0][f"loss_{k}"])
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_trainer_runs_on_fp8_shards(tiny, tmp_path):
+    """The same shards stored in fp8: packs dequantize to the bf16 states within fp8's error,
+    and training learns as on bf16 (same seed, same steps)."""
+    target, bf16_shards = tiny
+    fp8_shards = [
+        write_shard(tmp_path / f"fp8-{i}.safetensors", 12, seed=i, storage_dtype=FP8)
+        for i in range(2)
+    ]
+    layout_bf16, layout_fp8 = read_layout(bf16_shards, L), read_layout(fp8_shards, L)
+    pack = make_packs(layout_fp8.paths, 10_000)[0]
+    assert pack == make_packs(layout_bf16.paths, 10_000)[0]
+    a, b = load_pack(layout_bf16, pack, 3), load_pack(layout_fp8, pack, 3)
+    assert b.aux.dtype == torch.float32 and torch.equal(a.tokens, b.tokens)
+    for x, y in ((a.aux, b.aux), (a.final, b.final)):
+        rel = (y - x).norm(dim=-1) / x.norm(dim=-1)
+        assert rel.max() < 0.07 and not torch.equal(x, y)
+    run_train((target, fp8_shards), tmp_path / "fp8", steps=60, ckpt_every=60, lr=1e-2)
+    run_train(tiny, tmp_path / "bf16", steps=60, ckpt_every=60, lr=1e-2)
+    losses = {}
+    for arm in ("fp8", "bf16"):
+        rows = list(csv.DictReader(open(tmp_path / arm / "metrics.csv")))
+        assert len(rows) == 60
+        losses[arm] = [sum(float(r["loss"]) for r in part) / 5 for part in (rows[:5], rows[-5:])]
+    print("mean loss of the first and last 5 steps:", losses)
+    first, last = losses["fp8"]
+    assert last < 0.6 * first, losses
+    assert abs(last - losses["bf16"][1]) < 0.1 * losses["bf16"][1], losses
 
 
 def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):

@@ -2,6 +2,7 @@
 for tests of verification, integrity and caching."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
 from eagleflow.extract.shard import assemble_shard
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.store.chunks import ShardChunks
+from eagleflow.store.quant import DEFAULT_STORAGE, SCALES_KEY, is_fp8, quantize
 
 FP = "0123456789abcdef"
 PLAN = CapturePlan(
@@ -41,8 +43,18 @@ def make_token_shards(tokenizer, n=8, size=4, seed=0):
     return build_shards(convs, toks, size, tokenizer_digest(tokenizer))
 
 
-def make_extracted_shard(shard, out_dir: Path, fp=FP, plan=PLAN, chunk_tokens=64, seed=0):
-    """Write chunk files as the worker would, then assemble them with the real code."""
+def make_extracted_shard(
+    shard,
+    out_dir: Path,
+    fp=FP,
+    plan=PLAN,
+    chunk_tokens=64,
+    seed=0,
+    storage_dtype=DEFAULT_STORAGE,
+):
+    """Write chunk files as the worker would (in fp8 storage: quantized, with their scales),
+    then assemble them with the real code."""
+    plan = replace(plan, storage_dtype=storage_dtype)
     out_dir = Path(out_dir)
     tokens_path = out_dir / "tokens" / f"{shard.shard_id}.safetensors"
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,8 +67,11 @@ def make_extracted_shard(shard, out_dir: Path, fp=FP, plan=PLAN, chunk_tokens=64
         lo, hi = chunks.token_range(i)
         ids = torch.from_numpy(shard.input_ids[lo:hi])
         hs = torch.randn(len(ids), len(plan.layer_ids), plan.hidden_size, generator=g)
+        tensors = {"hidden_states": hs.to(torch.bfloat16)}
+        if is_fp8(storage_dtype):
+            tensors["hidden_states"], tensors[SCALES_KEY] = quantize(tensors["hidden_states"])
         save_file(
-            {"hidden_states": hs.to(torch.bfloat16), "input_ids": ids},
+            tensors | {"input_ids": ids},
             str(chunks.path(i)),
             metadata={k: json.dumps(v) for k, v in chunks.metadata(i).items()},
         )

@@ -40,6 +40,8 @@ rule patch:
         runtime=lambda wildcards, attempt: 15 * attempt,
     params:
         target=TARGET,
-        capture=config["capture"],
+        # storage_dtype is in the fingerprint (the output's path): not a param, so that its
+        # default does not re-run the plans of extractions made before it existed.
+        capture={k: v for k, v in config["capture"].items() if k != "storage_dtype"},
     script:
         "../scripts/patch.py"

@@ -20,6 +20,7 @@ rule progress:
         layer_ids=after_sharding(layer_ids),
         hidden_size=after_sharding(lambda: read_target(TARGET).hidden_size),
         dtype=config["extract"]["dtype"],
+        storage_dtype=config["capture"]["storage_dtype"],
     script:
         "../scripts/progress.py"
 

@@ -35,7 +35,8 @@ rule validate_env:
                 "gpu_memory_utilization",
             )
         },
-        capture=config["capture"],
+        # storage_dtype (read from the config by the disk check) is in the fingerprint: see patch.
+        capture={k: v for k, v in config["capture"].items() if k != "storage_dtype"},
         results_dir=lambda wildcards, output: str(Path(output[0]).parents[2]),
     script:
         "../scripts/validate_env.py"

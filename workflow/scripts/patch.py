@@ -10,12 +10,20 @@ with redirect_to_log(snakemake.log[0]):
     cap = snakemake.params.capture
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
     # The device decides whether extract_hidden_states can work (CUDA only).
-    plan = make_plan(info, ids, cap["strategy"], device=snakemake.config["extract"]["device"])
+    # The storage dtype is read from the config, not a param: it is in the fingerprint (the
+    # output's path), and the default must not re-run the plans of existing extractions.
+    plan = make_plan(
+        info,
+        ids,
+        cap["strategy"],
+        device=snakemake.config["extract"]["device"],
+        storage_dtype=snakemake.config["capture"]["storage_dtype"],
+    )
     plan = replace(plan, fingerprint=snakemake.wildcards.fp)
     plan.save(snakemake.output[0])
     print(
         f"capture plan: strategy {plan.strategy.value}, layer ids {plan.layer_ids} "
-        f"({plan.layer_id_convention})"
+        f"({plan.layer_id_convention}), stored as {plan.storage_dtype}"
     )
     for check in plan.checks_passed:
         print(f"[ok] {check}")

@@ -9,6 +9,7 @@ progress = extraction_progress(
     len(snakemake.params.layer_ids),
     snakemake.params.hidden_size,
     snakemake.params.dtype,
+    snakemake.params.storage_dtype,
 )
 text = format_progress(progress)
 print(text)  # to the terminal: this target exists to be read

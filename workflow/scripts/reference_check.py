@@ -7,6 +7,7 @@ from safetensors import safe_open
 
 from eagleflow.capture.reference import check_shard_against_reference, load_reference_model
 from eagleflow.logs import redirect_to_log
+from eagleflow.store.quant import ShardStates
 
 with redirect_to_log(snakemake.log[0]):
     model = load_reference_model(snakemake.params.target, device=snakemake.params.device)
@@ -20,14 +21,20 @@ with redirect_to_log(snakemake.log[0]):
             samples = list(range(0, n, step))[: snakemake.params.samples_per_shard]
             stats = check_shard_against_reference(
                 model,
-                f.get_tensor("hidden_states"),
+                ShardStates(f, path),  # only the sampled rows read; fp8 dequantized
                 f.get_tensor("input_ids").numpy(),
                 offsets,
                 json.loads(meta["layer_ids"]),
                 samples,
             )
         rows += [
-            {"shard_id": meta["shard_id"], "samples": len(samples), **asdict(s), "ok": s.ok}
+            {
+                "shard_id": meta["shard_id"],
+                "storage_dtype": meta.get("storage_dtype", "bfloat16"),
+                "samples": len(samples),
+                **asdict(s),
+                "ok": s.ok,
+            }
             for s in stats
         ]
     table = pd.DataFrame(rows)

@@ -20,7 +20,9 @@ shared lock, so a reader sleeps until then). The request's output carries the fi
 eagleflow turns those per-request files into its own chunk files (`hidden_states` +
 `input_ids`, the layout the worker-side strategies commit), checking every request's tokens
 against the sample's, so the shard files are identical in keys, dtypes and layout whatever the
-strategy.
+strategy. With `storage_dtype` float8_e4m3fn in the plan, the states are quantized here (on
+the host: the connector has already copied them there) into `hidden_states` (F8_E4M3) and
+`hidden_scales`, as the worker-side strategies do on the device.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from eagleflow.capture.plan import CONNECTOR, CapturePlan, Strategy
 from eagleflow.store.chunks import ShardChunks
+from eagleflow.store.quant import SCALES_KEY, is_fp8, quantize
 
 FILE_KEYS = ("hidden_states", "token_ids")
 
@@ -213,9 +216,12 @@ def commit_from_connector(
         parts.append(request_states(file, want, len(plan.layer_ids), plan.hidden_size, dtype))
         ids.append(torch.as_tensor(want, dtype=torch.int64))
     hidden = torch.cat(parts).contiguous()
+    tensors = {"hidden_states": hidden}
+    if is_fp8(plan.storage_dtype):
+        tensors["hidden_states"], tensors[SCALES_KEY] = quantize(hidden)
     tmp = str(path) + ".tmp"
     save_file(
-        {"hidden_states": hidden, "input_ids": torch.cat(ids)},
+        tensors | {"input_ids": torch.cat(ids)},
         tmp,
         metadata={k: json.dumps(v) for k, v in metadata.items()},
     )

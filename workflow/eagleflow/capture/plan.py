@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from eagleflow.engine.version import vllm_version
+from eagleflow.store.quant import DEFAULT_STORAGE, check_storage_dtype
 from eagleflow.target.info import TargetInfo
 from eagleflow.target.layers import CONVENTION, CONVENTION_TEXT
 
@@ -430,7 +431,9 @@ def check_plan(
 class CapturePlan:
     """What the `patch` rule decided and checked, read by every job that touches the engine.
     Written as `capture_plan.json` (`save`); `introspection` is what the installed vLLM was
-    found to offer (classes, signatures, interfaces), kept for the record."""
+    found to offer (classes, signatures, interfaces), kept for the record. `storage_dtype`
+    tells the workers how to store the states (`eagleflow.store.quant`); a plan written before
+    it existed reads as the default."""
 
     strategy: Strategy
     requested_strategy: str
@@ -447,6 +450,7 @@ class CapturePlan:
     fingerprint: str | None = None
     layer_id_convention: str = CONVENTION
     layer_id_convention_text: str = CONVENTION_TEXT
+    storage_dtype: str = DEFAULT_STORAGE
 
     @property
     def embedding_method(self) -> str | None:
@@ -471,8 +475,16 @@ class CapturePlan:
 
 
 def make_plan(
-    info: TargetInfo, layer_ids: list[int], requested: str, device: str = "cpu"
+    info: TargetInfo,
+    layer_ids: list[int],
+    requested: str,
+    device: str = "cpu",
+    storage_dtype: str = DEFAULT_STORAGE,
 ) -> CapturePlan:
+    try:
+        check_storage_dtype(storage_dtype)
+    except ValueError as e:
+        raise CaptureCheckError(str(e)) from None
     spec = ARCHITECTURES.get(info.architecture)
     if spec is None:
         raise CaptureCheckError(
@@ -502,4 +514,5 @@ def make_plan(
         device=device,
         checks_passed=checks,
         introspection=found,
+        storage_dtype=storage_dtype,
     )

@@ -118,13 +118,15 @@ def compare(
 
 def check_shard_against_reference(
     model,
-    hidden_states: torch.Tensor,
+    hidden_states,
     input_ids: np.ndarray,
     offsets: np.ndarray,
     layer_ids: list[int],
     samples: list[int],
 ) -> list[LayerStats]:
-    """Compare the captured rows of `samples` with the reference forward of each sample alone."""
+    """Compare the captured rows of `samples` with the reference forward of each sample alone.
+    `hidden_states` is [T, n_layers, H] or anything that returns those rows for `[a:b]` (a
+    shard's `eagleflow.store.quant.ShardStates`: only the sampled rows are read)."""
     L = len(decoder_layers(model))
     neighbour = [k + 1 if k < L else k - 1 for k in layer_ids]
     all_ids = list(range(L + 1))

@@ -11,6 +11,11 @@ engine never waits for a commit, and writing overlaps the next batches' prefill.
 complete chunks wait for the writer (the forward blocks beyond that), so memory is bounded
 by the chunk size, not the shard size.
 
+With `storage_dtype` float8_e4m3fn in the plan, each aux state is quantized on the device
+(one scale per token and layer, `eagleflow.store.quant`) before the device-to-host copy, so
+that copy moves about half the bytes; the chunk file then holds `hidden_states` (F8_E4M3) and
+`hidden_scales` (F32 [tokens, n_layers]).
+
 Only TP rank 0 keeps states (they are replicated across TP ranks after the all-gathers in
 vLLM's forward); the other ranks copy nothing. A write error surfaces on the next call.
 Every error raised here carries the full worker traceback in its message.
@@ -30,6 +35,7 @@ import torch
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.vllm_fixes import fix_cpu_rope
+from eagleflow.store.quant import SCALES_KEY, is_fp8, quantize
 from eagleflow.store.stream import StreamingWriter
 
 # Worker processes build the model after importing this module (TP > 1 on the CPU).
@@ -104,7 +110,9 @@ class CaptureExtension:
         model = self.model_runner.model
         plan = CapturePlan.from_json(plan_json)
         self._ef_plan = plan
-        self._ef_rows: dict[str, list] = {}  # engine request id -> [(positions, ids, states)]
+        self._ef_fp8 = is_fp8(plan.storage_dtype)
+        # engine request id -> [(positions, ids, states[, scales])]
+        self._ef_rows: dict[str, list] = {}
         self._ef_counts: dict[str, int] = {}  # engine request id -> rows kept so far
         self._ef_expected: list[dict] = []  # registered chunks still missing rows, in order
         self._ef_write_error: str | None = None
@@ -170,14 +178,24 @@ class CaptureExtension:
         t0 = time.perf_counter()
         # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because
         # on CPU `.to("cpu")` would alias the runner's persistent input buffers.
-        states = torch.stack([a[:n] for a in aux], dim=1).to("cpu")
+        if self._ef_fp8:
+            # Quantized layer by layer on the device (float32 scratch of one layer at a time),
+            # fp8 codes moved as bytes (uint8: every backend stacks and indexes those).
+            quantized = [quantize(a[:n]) for a in aux]
+            cols = (
+                torch.stack([q.view(torch.uint8) for q, _ in quantized], dim=1).to("cpu"),
+                torch.stack([s for _, s in quantized], dim=1).to("cpu"),
+            )
+        else:
+            cols = (torch.stack([a[:n] for a in aux], dim=1).to("cpu"),)
         pos = positions[:n].to("cpu", copy=True)
         ids = input_ids[:n].to("cpu", copy=True)
         self._ef_stats["d2h_copy"] += time.perf_counter() - t0
         for i, rid in enumerate(req_ids):
             a, b = bounds[i], bounds[i + 1]
             if b > a:
-                self._ef_rows.setdefault(rid, []).append((pos[a:b], ids[a:b], states[a:b]))
+                row = (pos[a:b], ids[a:b], *(c[a:b] for c in cols))
+                self._ef_rows.setdefault(rid, []).append(row)
                 self._ef_counts[rid] = self._ef_counts.get(rid, 0) + (b - a)
         self._ef_hand_over()
 
@@ -211,28 +229,30 @@ class CaptureExtension:
             finally:
                 self._ef_queue.task_done()
 
-    @staticmethod
-    def _ef_write_chunk(spec: dict, pieces: list) -> None:
+    def _ef_write_chunk(self, spec: dict, pieces: list) -> None:
         """Place each request's rows by position, check them and the engine's input ids, write."""
         n_tok = sum(spec["lengths"])
-        first = pieces[0][0][2]
-        hidden = torch.empty((n_tok, *first.shape[1:]), dtype=first.dtype)
+        # The state columns of a row: (states,) or, in fp8, (fp8 codes as uint8, scales).
+        firsts = pieces[0][0][2:]
+        cols = [torch.empty((n_tok, *c.shape[1:]), dtype=c.dtype) for c in firsts]
         input_ids = torch.empty(n_tok, dtype=torch.int64)
         row = 0
         for rid, length, parts in zip(spec["requests"], spec["lengths"], pieces):
-            pos, ids, states = (torch.cat(x) for x in zip(*parts)) if len(parts) > 1 else parts[0]
+            pos, ids, *states = [torch.cat(x) for x in zip(*parts)] if len(parts) > 1 else parts[0]
             want = torch.arange(length, dtype=pos.dtype)
             if not torch.equal(pos, want):
                 keep = pos < length  # drop any decode step scheduled past the prompt
                 order = torch.argsort(pos[keep])
-                pos, ids, states = pos[keep][order], ids[keep][order], states[keep][order]
+                pos, ids = pos[keep][order], ids[keep][order]
+                states = [s[keep][order] for s in states]
                 if not torch.equal(pos, want):
                     raise RuntimeError(
                         f"request {rid}: captured positions do not cover 0..{length - 1} exactly "
                         "once "
                         f"(got {len(pos)} rows; prefix caching must be off)"
                     )
-            hidden[row : row + length] = states
+            for col, s in zip(cols, states):
+                col[row : row + length] = s
             input_ids[row : row + length] = ids
             row += length
         expected = torch.frombuffer(bytearray(spec["token_bytes"]), dtype=torch.int64)
@@ -243,10 +263,15 @@ class CaptureExtension:
             raise RuntimeError(
                 f"request {rid}: the engine's input ids differ from the sample's tokens"
             )
-        layout = [
-            ("hidden_states", hidden.dtype, tuple(hidden.shape)),
-            ("input_ids", torch.int64, (n_tok,)),
-        ]
+        hidden = cols[0]
+        if self._ef_fp8:
+            layout = [
+                ("hidden_states", torch.float8_e4m3fn, tuple(hidden.shape)),
+                (SCALES_KEY, torch.float32, tuple(cols[1].shape)),
+            ]
+        else:
+            layout = [("hidden_states", hidden.dtype, tuple(hidden.shape))]
+        layout.append(("input_ids", torch.int64, (n_tok,)))
         writer = StreamingWriter(
             spec["path"],
             layout,
@@ -255,6 +280,8 @@ class CaptureExtension:
         )
         try:
             writer.write("hidden_states", hidden)
+            if self._ef_fp8:
+                writer.write(SCALES_KEY, cols[1])
             writer.write("input_ids", input_ids)
             writer.close()
         except BaseException:

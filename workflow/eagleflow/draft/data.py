@@ -11,6 +11,9 @@ Alignment (the same as speculators' `shift_batch`): the draft's anchor t reads t
 states of position t and token t+1, and is trained at TTT step k against the target's
 distribution at position t+1+k (which predicts token t+2+k) where token t+1+k is
 loss-masked and in the same sample.
+
+Shards stored in fp8 (`capture.storage_dtype: float8_e4m3fn`) are dequantized as a pack is
+read (`eagleflow.store.quant.read_states`); the batch is float32 either way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagleflow.store.quant import read_states
 from eagleflow.target.layers import CONVENTION
 
 
@@ -167,7 +171,7 @@ def load_pack(layout: ShardLayout, pack, steps: int) -> Batch:
     with safe_open(layout.paths[s], framework="pt") as f:
         ids = f.get_slice("input_ids")[a:b].long()
         mask = f.get_slice("loss_mask")[a:b].bool()
-        hidden = f.get_slice("hidden_states")[a:b]
+        hidden = read_states(f, layout.paths[s], slice(a, b))
         offsets = f.get_tensor("offsets")
     starts = [int(o) - a for o in offsets.tolist() if a <= o < b]
     if not starts or starts[0] != 0:

@@ -7,8 +7,12 @@ to an earlier configuration finds its outputs again.
 Covered: the target's identity (config.json, tokenizer files, weight index, and for each
 weight file its name, size and a signature of its first and last 64 KiB: safetensors files
 begin with a header of every tensor's name, dtype, shape and offsets; or a pinned revision),
-layer ids and their convention, max length, dtype, capture strategy (as configured), the vLLM
-version (kernels change numerics), and EXTRACTION_CODE_VERSION. Not covered: tensor-parallel
+layer ids and their convention, max length, dtype, capture strategy (as configured), the
+storage dtype (`capture.storage_dtype`) when it is not the default, the vLLM version (kernels
+change numerics), and EXTRACTION_CODE_VERSION. The storage dtype enters the record only when it
+is not `bfloat16`: the default layout is exactly what was stored before the option existed, so
+the fingerprints of existing configurations (and their extracted shards) stay valid, while an
+fp8 extraction gets a directory of its own. Not covered: tensor-parallel
 degree and batch sizes, which change only reduction order (TP=2 vs TP=1 agree within bf16
 tolerance; docs/capture.md), so shards extracted at TP=8 and TP=1 are interchangeable.
 Cost: a few small reads per weight file; never the weights themselves.
@@ -20,6 +24,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from eagleflow.store.quant import DEFAULT_STORAGE, check_storage_dtype
 from eagleflow.target.info import TOKENIZER_FILES
 
 # Bump when the extraction code changes what is written (layout, capture semantics).
@@ -69,6 +74,7 @@ def extraction_fingerprint(
     dtype: str,
     strategy: str,
     vllm_version: str,
+    storage_dtype: str = DEFAULT_STORAGE,
 ) -> tuple[str, dict]:
     record = {
         "target": identity,
@@ -80,6 +86,8 @@ def extraction_fingerprint(
         "vllm_version": vllm_version,
         "extraction_code_version": EXTRACTION_CODE_VERSION,
     }
+    if check_storage_dtype(storage_dtype) != DEFAULT_STORAGE:
+        record["storage_dtype"] = storage_dtype
     blob = json.dumps(record, sort_keys=True).encode()
     record["how"] = (
         "sha256 of this record (sorted-key JSON, without this field); weights are identified by "
@@ -107,4 +115,5 @@ def config_fingerprint(config: dict) -> tuple[str, dict]:
         config["extract"]["dtype"],
         config["capture"]["strategy"],
         vllm_version(),
+        config["capture"].get("storage_dtype", DEFAULT_STORAGE),
     )

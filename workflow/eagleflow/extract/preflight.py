@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from eagleflow.store.dtypes import itemsize
 from eagleflow.store.headers import read_header
+from eagleflow.store.quant import DEFAULT_STORAGE, bytes_per_token
 from eagleflow.target.info import (
     TargetError,
     read_target,
@@ -202,7 +202,9 @@ def validate(
             )
         )
     n_layers = len(layer_ids) if layer_ids else 0
-    out_bytes = total_tokens * n_layers * info.hidden_size * itemsize(ext["dtype"])
+    storage = cap.get("storage_dtype", DEFAULT_STORAGE)
+    per_token = bytes_per_token(n_layers, info.hidden_size, ext["dtype"], storage)
+    out_bytes = total_tokens * per_token
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(results_dir).free
     checks.append(
@@ -210,11 +212,12 @@ def validate(
             "disk",
             out_bytes < free,
             f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} "
-            f"layers x {info.hidden_size}) fit in {free / 2**30:.1f} GiB free"
+            f"layers x {info.hidden_size}, stored as {storage}) fit in {free / 2**30:.1f} GiB free"
             if out_bytes < free
             else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
-            f"tokens x {n_layers} layers x {info.hidden_size} x 2 bytes) but {results_dir} has "
-            f"{free / 2**30:.1f} GiB free; free space or point results_dir elsewhere",
+            f"tokens x {per_token} bytes: {n_layers} layers x {info.hidden_size}, stored as "
+            f"{storage}) but {results_dir} has {free / 2**30:.1f} GiB free; free space or point "
+            "results_dir elsewhere",
         )
     )
     extra = {

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from eagleflow.store.dtypes import itemsize
+from eagleflow.store.quant import DEFAULT_STORAGE, bytes_per_token
 
 
 def extraction_progress(
-    manifest: pd.DataFrame, hidden_dir: str | Path, n_layers: int, hidden_size: int, dtype: str
+    manifest: pd.DataFrame,
+    hidden_dir: str | Path,
+    n_layers: int,
+    hidden_size: int,
+    dtype: str,
+    storage_dtype: str = DEFAULT_STORAGE,
 ) -> dict:
     hidden_dir = Path(hidden_dir)
     per_shard = manifest.groupby("shard_id", sort=True)["n_tokens"].sum()
@@ -23,7 +28,7 @@ def extraction_progress(
             done.append(shard_id)
             records.append(json.loads(record_path.read_text()))
     todo_tokens = int(per_shard.drop(done).sum())
-    bytes_per_token = n_layers * hidden_size * itemsize(dtype)
+    per_token = bytes_per_token(n_layers, hidden_size, dtype, storage_dtype)
     measured = [r for r in records if r.get("tokens_extracted_now") and r.get("tokens_per_second")]
     tok_s = (
         (
@@ -43,7 +48,7 @@ def extraction_progress(
         "shards_to_do": n_todo,
         "tokens_total": int(per_shard.sum()),
         "tokens_to_do": todo_tokens,
-        "bytes_to_write": todo_tokens * bytes_per_token,
+        "bytes_to_write": todo_tokens * per_token,
         "measured_tokens_per_second": round(tok_s, 1) if tok_s else None,
         "measured_engine_start_seconds": round(start_s, 1) if start_s else None,
         "estimated_seconds": round(todo_tokens / tok_s + n_todo * start_s, 1) if tok_s else None,

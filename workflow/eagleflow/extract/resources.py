@@ -84,7 +84,9 @@ def measured_rates(hidden_dir: str | Path) -> tuple[float | None, float | None]:
 def verify_minutes(
     n_tokens: int, n_layers: int, hidden_size: int, read_mb_per_second: float = 200
 ) -> float:
-    """Verification streams the written shard once: its size over a conservative read rate."""
+    """Verification streams the written shard once: its size over a conservative read rate.
+    An fp8 shard (`capture.storage_dtype`) is costed as bf16: it has half the bytes, but its
+    dequantization works per value, so the bf16 figure is the safe time limit."""
     return n_tokens * n_layers * hidden_size * 2 / 2**20 / read_mb_per_second / 60
 
 

@@ -4,7 +4,8 @@ The shard's chunks (`eagleflow.store.chunks`) are committed as the engine produc
 killed job resumes after its last committed chunk, and a job whose chunks are all committed
 never starts the engine. The shard file is assembled from the chunks by streaming, hashed
 while written, and renamed into place last; its sidecar JSON records sha256, size and
-throughput.
+throughput. In fp8 storage (`capture.storage_dtype`) the file also holds `hidden_scales`
+(`eagleflow.store.quant`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from eagleflow.engine.settings import EngineSettings
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.dtypes import torch_dtype
 from eagleflow.store.headers import read_header
+from eagleflow.store.quant import SCALES_KEY, is_fp8, stored_storage_dtype
 from eagleflow.store.stream import StreamingWriter
 from eagleflow.store.verify import Expected, verify_extracted_shard
 from eagleflow.target.layers import CONVENTION
@@ -175,6 +177,7 @@ def shard_record(chunks: ShardChunks, plan, path: Path, hashed, model_loaded, to
         "layer_ids": plan.layer_ids,
         "layer_id_convention": CONVENTION,
         "strategy": plan.strategy.value,
+        "storage_dtype": plan.storage_dtype,
         "model_loaded": model_loaded,
         "tokens_extracted_now": tokens_done,
     }
@@ -253,10 +256,20 @@ def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
     """Stream the committed chunks into one safetensors file (hashed while written)."""
     shard = chunks.shard
     n_tok = len(shard.input_ids)
+    fp8 = is_fp8(plan.storage_dtype)
     header, _ = read_header(chunks.path(0))
     hs = header["hidden_states"]
     dtype = torch_dtype(hs["dtype"])
     n_layers, hidden = hs["shape"][1], hs["shape"][2]
+    for i in range(len(chunks.ranges)):
+        h, _ = read_header(chunks.path(i)) if i else (header, None)
+        found = stored_storage_dtype(h)
+        if found != plan.storage_dtype or fp8 != (SCALES_KEY in h):
+            raise RuntimeError(
+                f"chunk {i} of shard {shard.shard_id} ({chunks.path(i)}): hidden_states "
+                f"{h['hidden_states']['dtype']}{' with' if SCALES_KEY in h else ' without'} "
+                f"{SCALES_KEY}, the plan stores {plan.storage_dtype}"
+            )
     metadata = {
         "layer_ids": json.dumps(plan.layer_ids),
         "layer_id_convention": CONVENTION,
@@ -265,9 +278,12 @@ def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
         "capture_strategy": plan.strategy.value,
         "fingerprint": chunks.fingerprint,
         "format": "eagleflow-hidden-v1",
+        "storage_dtype": plan.storage_dtype,
     }
-    layout = [
-        ("hidden_states", dtype, (n_tok, n_layers, hidden)),
+    layout = [("hidden_states", dtype, (n_tok, n_layers, hidden))]
+    if fp8:
+        layout.append((SCALES_KEY, torch.float32, (n_tok, n_layers)))
+    layout += [
         ("input_ids", torch.int64, (n_tok,)),
         ("loss_mask", torch.uint8, (n_tok,)),
         ("offsets", torch.int64, (len(shard.offsets),)),
@@ -286,6 +302,10 @@ def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
                         "input_ids differ from the shard's tokens"
                     )
                 writer.write("hidden_states", f.get_tensor("hidden_states"))
+        if fp8:  # the scales follow all the states in the file: a second, small pass
+            for i in range(len(chunks.ranges)):
+                with safe_open(str(chunks.path(i)), framework="pt") as f:
+                    writer.write(SCALES_KEY, f.get_tensor(SCALES_KEY))
         writer.write("input_ids", torch.from_numpy(shard.input_ids))
         writer.write("loss_mask", torch.from_numpy(shard.loss_mask))
         writer.write("offsets", torch.from_numpy(shard.offsets))

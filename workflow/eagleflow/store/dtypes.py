@@ -24,6 +24,7 @@ DTYPES = {
         Dtype("int64", "I64", 8),
         Dtype("int32", "I32", 4),
         Dtype("uint8", "U8", 1),
+        Dtype("float8_e4m3fn", "F8_E4M3", 1),  # capture.storage_dtype float8_e4m3fn
     )
 }
 BY_CODE = {d.code: d for d in DTYPES.values()}

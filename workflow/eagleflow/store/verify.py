@@ -2,8 +2,10 @@
 
 `verify_shard` reads everything (in row blocks, bounded memory): keys, shapes, dtypes,
 metadata, every value finite, no all-zero rows, input ids / loss mask / offsets identical to
-the tokenized shard. `cheap_check` reads only the file size and header and compares them with
-the extraction record; it is what every rerun can afford. `deep` adds a sha256 re-hash.
+the tokenized shard; in fp8 storage the values are checked after dequantization and the
+scales must be positive and finite. `cheap_check` reads only the file size and header and
+compares them with the extraction record; it is what every rerun can afford. `deep` adds a
+sha256 re-hash.
 
 Every extract job ends with `verify_extracted_shard`: a shard is finished only once its report
 is written, and a shard that fails is moved to quarantine (nothing is lost, nothing bad is
@@ -28,6 +30,7 @@ from eagleflow.data.shards import TokenShard
 from eagleflow.store.dtypes import code_of
 from eagleflow.store.headers import cheap_check, file_sha256, read_header
 from eagleflow.store.integrity import quarantine
+from eagleflow.store.quant import DEFAULT_STORAGE, FP8, SCALES_KEY, dequantize, is_fp8
 
 KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
 ROW_BLOCK = 4096
@@ -45,11 +48,18 @@ class Expected:
     layer_ids: list[int]
     hidden_size: int
     dtype: str  # extract.dtype
+    storage_dtype: str = DEFAULT_STORAGE  # capture.storage_dtype
 
     @classmethod
     def of(cls, plan, dtype: str) -> Expected:
         """From a capture plan (`eagleflow.capture.plan.CapturePlan`)."""
-        return cls(plan.fingerprint, list(plan.layer_ids), plan.hidden_size, dtype)
+        return cls(
+            plan.fingerprint, list(plan.layer_ids), plan.hidden_size, dtype, plan.storage_dtype
+        )
+
+    @property
+    def keys(self) -> set[str]:
+        return KEYS | {SCALES_KEY} if is_fp8(self.storage_dtype) else KEYS
 
 
 def verify_shard(
@@ -121,12 +131,20 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
     problems = []
     header, _ = read_header(path)
     keys = set(header) - {"__metadata__"}
-    if keys != KEYS:
-        return [f"tensors {sorted(keys)}, expected {sorted(KEYS)}"]
+    fp8 = is_fp8(expected.storage_dtype)
+    if keys != expected.keys:
+        if fp8 and keys == KEYS:
+            return [
+                f"{path}: shard {tokens.shard_id} lacks {SCALES_KEY} (storage_dtype {FP8} "
+                "stores one scale per token and layer); its states cannot be dequantized"
+            ]
+        return [f"tensors {sorted(keys)}, expected {sorted(expected.keys)}"]
     meta = header["__metadata__"]
     T = len(tokens.input_ids)
+    n = len(layer_ids)
     expect = {
-        "hidden_states": ([T, len(layer_ids), hidden_size], code_of(dtype)),
+        "hidden_states": ([T, n, hidden_size], code_of(FP8 if fp8 else dtype)),
+        **({SCALES_KEY: ([T, n], "F32")} if fp8 else {}),
         "input_ids": ([T], "I64"),
         "loss_mask": ([T], "U8"),
         "offsets": ([len(tokens.offsets)], "I64"),
@@ -140,6 +158,12 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
         problems.append(f"layer_ids {meta.get('layer_ids')} in the file, expected {layer_ids}")
     if json.loads(meta.get("sample_ids", "null")) != tokens.sample_ids:
         problems.append("sample_ids in the file differ from the tokenized shard's")
+    # Shards written before storage dtypes existed carry no entry: they are the default layout.
+    if meta.get("storage_dtype", DEFAULT_STORAGE) != expected.storage_dtype:
+        problems.append(
+            f"storage_dtype {meta.get('storage_dtype')} in the file, "
+            f"expected {expected.storage_dtype}"
+        )
     if problems:
         return problems
     with safe_open(str(path), framework="pt") as f:
@@ -153,8 +177,21 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
         if offsets[0] != 0 or offsets[-1] != T or np.any(np.diff(offsets) <= 0):
             problems.append("offsets are not 0, strictly increasing, ending at the token count")
         hs = f.get_slice("hidden_states")
+        scales = f.get_slice(SCALES_KEY) if fp8 else None
         for a in range(0, T, ROW_BLOCK):
-            block = hs[a : a + ROW_BLOCK].to(torch.float32)
+            if fp8:
+                sc = scales[a : a + ROW_BLOCK]
+                bad_scale = ~(torch.isfinite(sc) & (sc > 0))
+                if bad_scale.any():
+                    tok, layer = (int(x) for x in bad_scale.nonzero()[0])
+                    problems.append(
+                        f"{SCALES_KEY}: scale {float(sc[tok, layer])} at token {tok + a}, "
+                        f"layer id {layer_ids[layer]} (scales must be positive and finite)"
+                    )
+                    break
+                block = dequantize(hs[a : a + ROW_BLOCK], sc)
+            else:
+                block = hs[a : a + ROW_BLOCK].to(torch.float32)
             if not torch.isfinite(block).all():
                 bad = int((~torch.isfinite(block)).any(dim=-1).any(dim=-1).nonzero()[0]) + a
                 problems.append(f"hidden_states: non-finite value at token {bad}")

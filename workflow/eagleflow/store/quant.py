@@ -1,0 +1,108 @@
+"""Storage dtypes of hidden states (`capture.storage_dtype`), fp8 quantization, and reading
+states back from a shard or chunk in either layout.
+
+- `bfloat16` (the default): `hidden_states` [T, n_layers, H] unquantized, in the engine's
+  dtype (`extract.dtype`), as eagleflow has always stored them.
+- `float8_e4m3fn`: `hidden_states` [T, n_layers, H] as `F8_E4M3` plus `hidden_scales`
+  [T, n_layers] as `F32`, one scale per (token, layer) since layers differ in magnitude by
+  orders: scale = amax(|x|) / 448 (the largest e4m3 value), q = x / scale, and the value is
+  `hidden_states * hidden_scales[..., None]`. About half the bytes of bf16 (H + 4 bytes per
+  token and layer instead of 2 H).
+
+Torch-free at import (`bytes_per_token` is used by the cheap checks that run on every
+invocation); the tensor functions import torch.
+"""
+
+from __future__ import annotations
+
+from eagleflow.store.dtypes import itemsize
+
+DEFAULT_STORAGE = "bfloat16"
+FP8 = "float8_e4m3fn"
+STORAGE_DTYPES = (DEFAULT_STORAGE, FP8)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+SCALE_DTYPE = "float32"
+# Floor of a scale: an all-zero row gets this scale (its values stay 0, which verification
+# reports), and no scale is subnormal.
+MIN_SCALE = 2.0**-120
+
+SCALES_KEY = "hidden_scales"
+
+
+class StorageError(ValueError):
+    pass
+
+
+def check_storage_dtype(name: str) -> str:
+    if name not in STORAGE_DTYPES:
+        raise StorageError(
+            f"capture.storage_dtype: {name!r} is not a storage dtype; use one of {STORAGE_DTYPES}"
+        )
+    return name
+
+
+def is_fp8(storage_dtype: str) -> bool:
+    return check_storage_dtype(storage_dtype) == FP8
+
+
+def bytes_per_token(n_layers: int, hidden_size: int, engine_dtype: str, storage_dtype: str) -> int:
+    """Bytes of stored states per token: the hidden states and, in fp8, one F32 scale per layer."""
+    if is_fp8(storage_dtype):
+        return n_layers * (hidden_size * itemsize(FP8) + itemsize(SCALE_DTYPE))
+    return n_layers * hidden_size * itemsize(engine_dtype)
+
+
+def quantize(x):
+    """x [..., H] (any float dtype, any device) -> (q [..., H] float8_e4m3fn, scales [...] f32),
+    computed in float32 on x's device."""
+    import torch
+
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    # Clamped: amax / (amax / 448) may round a hair above 448, and a cast that does not
+    # saturate would turn it into NaN.
+    q = (xf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def dequantize(q, scales, dtype=None):
+    """The stored value `q * scales[..., None]` (float32 unless `dtype` is given)."""
+    import torch
+
+    out = q.float() * scales.float().unsqueeze(-1)
+    return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+
+
+def stored_storage_dtype(header: dict) -> str:
+    """The storage dtype of a shard or chunk from its safetensors header."""
+    return FP8 if header["hidden_states"]["dtype"] == "F8_E4M3" else DEFAULT_STORAGE
+
+
+def read_states(f, path, rows: slice | None = None, dtype=None):
+    """`hidden_states[rows]` of an open `safe_open` handle as values: fp8 dequantized (float32
+    unless `dtype` is given), other dtypes as stored (converted when `dtype` is given).
+
+    An fp8 file without its scales is refused with a message naming it: its values cannot be
+    recovered, and reading the raw fp8 codes as states would train on garbage."""
+    hs = f.get_slice("hidden_states")
+    rows = rows if rows is not None else slice(None)
+    if hs.get_dtype() != "F8_E4M3":
+        states = hs[rows]
+        return states if dtype is None else states.to(dtype)
+    if SCALES_KEY not in f.keys():
+        raise StorageError(
+            f"{path}: hidden_states are stored as F8_E4M3 but the file has no {SCALES_KEY}; "
+            "its states cannot be dequantized (a damaged or foreign file: extract it again)"
+        )
+    return dequantize(hs[rows], f.get_slice(SCALES_KEY)[rows], dtype)
+
+
+class ShardStates:
+    """The states of an open shard, read (and dequantized) only where indexed, `states[a:b]`:
+    a reader that samples a few rows never holds the whole shard, in float32 or otherwise."""
+
+    def __init__(self, f, path, dtype=None):
+        self.f, self.path, self.dtype = f, path, dtype
+
+    def __getitem__(self, rows: slice):
+        return read_states(self.f, self.path, rows, self.dtype)
