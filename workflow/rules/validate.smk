@@ -30,6 +30,7 @@ rule validate_env:
             for k in (
                 "device",
                 "tensor_parallel_size",
+                "pipeline_parallel_size",
                 "dtype",
                 "cpu_kvcache_space_gib",
                 "gpu_memory_utilization",

@@ -9,8 +9,16 @@ with redirect_to_log(snakemake.log[0]):
     info = read_target(snakemake.params.target)
     cap = snakemake.params.capture
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
-    # The device decides whether extract_hidden_states can work (CUDA only).
-    plan = make_plan(info, ids, cap["strategy"], device=snakemake.config["extract"]["device"])
+    # The device decides whether extract_hidden_states can work (CUDA only); the pipeline
+    # layout, which stage captures which ids (an extract job re-plans if it changes).
+    ext = snakemake.config["extract"]
+    plan = make_plan(
+        info,
+        ids,
+        cap["strategy"],
+        device=ext["device"],
+        pipeline_parallel_size=ext["pipeline_parallel_size"],
+    )
     plan = replace(plan, fingerprint=snakemake.wildcards.fp)
     plan.save(snakemake.output[0])
     print(

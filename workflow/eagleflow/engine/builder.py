@@ -42,6 +42,7 @@ def build_engine(
         model=settings.target,
         tokenizer=settings.target,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         enforce_eager=eager,
@@ -54,6 +55,9 @@ def build_engine(
         )
     if settings.single_process:
         kwargs["distributed_executor_backend"] = "uni"
+    elif settings.pipeline_parallel_size > 1:
+        # vLLM's own multiprocessing executor runs the stages (supports_pp).
+        kwargs["distributed_executor_backend"] = "mp"
     if settings.max_num_seqs:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.device == "cuda":
