@@ -6,6 +6,7 @@ The embedded default target has 8 layers and captures ids [2, 4, 5, 8]; vLLM 0.3
 into layers 0..3 and 4..7, so stage 0 captures id 2 and stage 1 ids 4 (its first layer), 5, 8.
 """
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -19,13 +20,14 @@ from test_reference import (
     rel_err,
 )
 
-from eagleflow.capture.plan import make_plan
+from eagleflow.capture.plan import CapturePlan, make_plan
 from eagleflow.capture.reference import load_reference_model
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.extract.shard import Timings, assemble_shard, run_chunks, shard_chunks
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.fixtures.tiny_target import build_tiny_target
 from eagleflow.target.layers import default_layer_ids
+from support.workflow_runner import SMALL, hidden_dir, merged, snakemake
 
 pytestmark = pytest.mark.vllm
 
@@ -99,3 +101,32 @@ def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(d
         )
         assert_same_states(s2[:, j : j + 1], s1[:, j : j + 1], f"PP=2 vs PP=1, id {k}")
     assert_matches_reference(load_reference_model(deepseek.path), s2, shard, ids)
+
+
+def test_snakemake_extract_at_pp2_gives_the_shards_of_pp1(extracted_workdir, tmp_path):
+    """`snakemake extract` with extract.pipeline_parallel_size: 2 on the embedded default: the
+    same fingerprint, shard files, layer ids and tokens as the shared PP=1 run, states within
+    the engine's bf16 run-to-run noise."""
+    config = merged(SMALL, {"extract": {"pipeline_parallel_size": 2}})
+    snakemake(tmp_path, "extract", config=config)
+    one, two = hidden_dir(extracted_workdir), hidden_dir(tmp_path)
+    assert one.name == two.name  # the fingerprint does not depend on the layout
+    names = sorted(p.name for p in one.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in two.glob("*.safetensors"))
+    plan = CapturePlan.load(two / "capture_plan.json")
+    assert plan.pipeline_parallel_size == 2 and plan.strategy == "patched_forward"
+    for name in names:
+        with (
+            safe_open(str(one / name), framework="pt") as a,
+            safe_open(str(two / name), framework="pt") as b,
+        ):
+            ma, mb = a.metadata(), b.metadata()
+            for key in ("layer_ids", "layer_id_convention", "sample_ids", "fingerprint"):
+                assert ma[key] == mb[key], key
+            for key in ("input_ids", "loss_mask", "offsets"):
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+            s1, s2 = a.get_tensor("hidden_states"), b.get_tensor("hidden_states")
+        for j, k in enumerate(json.loads(ma["layer_ids"])):
+            assert_same_states(s2[:, j : j + 1], s1[:, j : j + 1], f"{name} id {k}")
+    log = next((tmp_path / "results" / "logs" / "extract" / two.name).glob("*.log")).read_text()
+    assert "pipeline stage 1: layers 4..7, captures ids [4, 5, 8]" in log
