@@ -24,7 +24,7 @@ from eagleflow.data.shards import build_shards
 from eagleflow.data.templating import Tokenized
 from eagleflow.engine.settings import EngineSettings, cpu_threads_bind
 from eagleflow.extract.fingerprint import config_fingerprint
-from eagleflow.extract.preflight import check_devices, check_stages
+from eagleflow.extract.preflight import check_devices, check_nodes, check_stages
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.target.info import read_target
 
@@ -124,9 +124,18 @@ def test_devices_count_tp_times_pp():
     checks = check_devices("cuda", 8, 600 << 30, 1, 0.9, pp=2)
     assert not checks[0].ok
     assert checks[0].detail == (
-        "tensor_parallel_size=8 x pipeline_parallel_size=2 needs 16 CUDA devices, 0 are "
-        "visible; run on a node with 16 GPUs or lower extract.tensor_parallel_size or "
+        "tensor_parallel_size=8 x pipeline_parallel_size=2 needs 16 CUDA devices on this node, "
+        "0 are visible; run on nodes with 16 GPUs or lower extract.tensor_parallel_size or "
         "extract.pipeline_parallel_size"
+    )
+    # Two nodes: this node needs its half.
+    two = check_devices("cuda", 8, 600 << 30, 1, 0.9, pp=2, nodes=2)
+    assert "needs 8 CUDA devices on this node" in two[0].detail and "on 2 nodes" in two[0].detail
+    assert check_nodes(8, 2, 2).ok
+    bad = check_nodes(8, 1, 3)
+    assert not bad.ok and bad.detail == (
+        "extract.nodes is 3 but tensor_parallel_size=8 makes 8 workers, which do not share out "
+        "evenly over 3 nodes; use a number of nodes that divides 8"
     )
     cpu = check_devices("cpu", 1, 1 << 20, 1, 0.9, pp=64)
     assert not cpu[0].ok and "needs at least 64 CPU cores (one per worker)" in cpu[0].detail

@@ -31,6 +31,7 @@ rule validate_env:
                 "device",
                 "tensor_parallel_size",
                 "pipeline_parallel_size",
+                "nodes",
                 "dtype",
                 "cpu_kvcache_space_gib",
                 "gpu_memory_utilization",

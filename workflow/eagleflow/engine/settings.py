@@ -15,6 +15,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     # Stages of vLLM's pipeline; each runs tensor_parallel_size workers.
     pipeline_parallel_size: int = 1
+    # Nodes the engine spans (vLLM's own multi-node launch, eagleflow.engine.multinode).
+    nodes: int = 1
     dtype: str = "bfloat16"
     max_model_len: int = 513
     # None: vLLM's default. Never below max_model_len (a prompt must fit one forward).
@@ -37,6 +39,7 @@ class EngineSettings:
             device=ext["device"],
             tensor_parallel_size=ext["tensor_parallel_size"],
             pipeline_parallel_size=ext["pipeline_parallel_size"],
+            nodes=ext["nodes"],
             dtype=ext["dtype"],
             max_model_len=config["data"]["max_length"] + 1,
             gpu_memory_utilization=ext["gpu_memory_utilization"],

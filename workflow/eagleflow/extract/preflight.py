@@ -73,16 +73,18 @@ def check_devices(
     cpu_kvcache_gib: int,
     gpu_memory_utilization: float,
     pp: int = 1,
+    nodes: int = 1,
 ) -> list[Check]:
-    """Devices and memory for an engine of TP x PP workers, one device each: each device holds
-    about weights / (TP x PP) (vLLM splits layers across stages, tensors across TP ranks)."""
+    """Devices and memory for an engine of TP x PP workers, one device each, on this node's
+    share of them (TP x PP / nodes): each device holds about weights / (TP x PP) (vLLM splits
+    layers across stages, tensors across TP ranks)."""
     checks = []
-    world = tp * pp
-    layout = _layout(tp, pp)
+    world = tp * pp // max(1, nodes)
+    layout = _layout(tp, pp) + (f" on {nodes} nodes" if nodes > 1 else "")
     lower = "lower extract.tensor_parallel_size" + (
         " or extract.pipeline_parallel_size" if pp > 1 else ""
     )
-    per_device = weight_bytes / world
+    per_device = weight_bytes / (tp * pp)
     if device == "cpu":
         cores = len(os.sched_getaffinity(0))
         checks.append(
@@ -95,7 +97,7 @@ def check_devices(
                 f"lets the job use {cores}; {lower}",
             )
         )
-        need = weight_bytes + world * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
+        need = per_device * world + world * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
         have = mem_available_bytes()
         checks.append(
             Check(
@@ -119,8 +121,8 @@ def check_devices(
                 n >= world,
                 f"{n} CUDA devices for {layout}"
                 if n >= world
-                else f"{layout} needs {world} CUDA devices, {n} are visible; run on a node with "
-                f"{world} GPUs or {lower}",
+                else f"{layout} needs {world} CUDA devices on this node, {n} are visible; run on "
+                f"nodes with {world} GPUs or {lower}",
             )
         )
         if n >= world:
@@ -139,6 +141,21 @@ def check_devices(
                 )
             )
     return checks
+
+
+def check_nodes(tp: int, pp: int, nodes: int) -> Check:
+    """The workers (TP x PP) must share out evenly over the nodes (vLLM's multi-node launch
+    gives each node world_size / nnodes of them)."""
+    world = tp * pp
+    ok = world % nodes == 0
+    return Check(
+        "nodes",
+        ok,
+        f"{world // nodes if ok else '?'} workers on each of {nodes} node(s)"
+        if ok
+        else f"extract.nodes is {nodes} but {_layout(tp, pp)} makes {world} workers, which do "
+        f"not share out evenly over {nodes} nodes; use a number of nodes that divides {world}",
+    )
 
 
 def check_stages(pp: int, num_layers: int) -> Check:
@@ -160,14 +177,18 @@ def check_devices_for(settings) -> None:
     the configured `extract.device`."""
     import sys
 
-    checks = check_devices(
-        settings.device,
-        settings.tensor_parallel_size,
-        weight_bytes(read_target(settings.target)),
-        settings.cpu_kvcache_space_gib,
-        settings.gpu_memory_utilization,
-        pp=settings.pipeline_parallel_size,
-    )
+    tp, pp, nodes = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.nodes
+    checks = [check_nodes(tp, pp, nodes)]
+    if checks[0].ok:
+        checks += check_devices(
+            settings.device,
+            tp,
+            weight_bytes(read_target(settings.target)),
+            settings.cpu_kvcache_space_gib,
+            settings.gpu_memory_utilization,
+            pp=pp,
+            nodes=nodes,
+        )
     for check in checks:
         print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}")
     failed = [c.detail for c in checks if not c.ok]
@@ -193,6 +214,7 @@ def validate(
     )
     ext, cap = config["extract"], config["capture"]
     tp, pp = ext["tensor_parallel_size"], ext.get("pipeline_parallel_size", 1)
+    nodes = ext.get("nodes", 1)
     try:
         info = read_target(target_dir)
     except TargetError as e:
@@ -215,6 +237,7 @@ def validate(
         layer_ids = None
         checks.append(Check("layer_ids", False, str(e)))
     checks.append(check_stages(pp, info.num_layers))
+    checks.append(check_nodes(tp, pp, nodes))
     checks.append(_check_tokenizer(target_dir))
     checks.append(_check_weights(target_dir))
     target_bytes = weight_bytes(info)
@@ -226,6 +249,7 @@ def validate(
             ext["cpu_kvcache_space_gib"],
             ext["gpu_memory_utilization"],
             pp=pp,
+            nodes=nodes,
         )
     else:
         checks.append(
@@ -255,6 +279,7 @@ def validate(
         "layer_ids": layer_ids,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "nodes": nodes,
         "device": ext["device"],
     }
     return _report(checks, versions, extra)

@@ -1,0 +1,85 @@
+"""Engines over several nodes (eagleflow.engine.multinode): the headless nodes' command lines,
+parsed by vLLM's own `serve` parser; where the nodes come from; and, on real vLLM, a PP=2 engine
+whose second stage runs in a headless vLLM process of a second "node" on loopback."""
+
+import os
+import sys
+
+import pytest
+
+from eagleflow.engine.multinode import (
+    LOOPBACK_ENV,
+    MultiNodeError,
+    NodeGroup,
+    headless_args,
+)
+
+KWARGS = {
+    "model": "/models/Kimi-K2.5",
+    "tokenizer": "/models/Kimi-K2.5",
+    "tensor_parallel_size": 8,
+    "pipeline_parallel_size": 2,
+    "dtype": "bfloat16",
+    "max_model_len": 4097,
+    "enforce_eager": True,
+    "worker_extension_cls": "eagleflow.capture.worker.CaptureExtension",
+    "seed": 0,
+    "max_num_batched_tokens": 8192,
+    "gpu_memory_utilization": 0.9,
+    "enable_prefix_caching": False,
+    "trust_remote_code": True,
+}
+
+
+def test_headless_nodes_get_the_engine_arguments_of_node_zero(monkeypatch):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    group = NodeGroup(["gpu-a", "gpu-b"], "srun", master_port=29555)
+    kwargs = KWARGS | group.head_kwargs()
+    cmd = group.node_command(1, kwargs)
+    assert cmd[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu-b"]
+    assert cmd[5:9] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    parser = FlexibleArgumentParser()
+    sub = parser.add_subparsers()
+    ServeSubcommand().subparser_init(sub)
+    args = parser.parse_args(cmd[8:])
+    assert args.headless and args.model_tag == "/models/Kimi-K2.5"
+    engine = AsyncEngineArgs.from_cli_args(args)
+    for key, value in KWARGS.items():
+        if key != "model":
+            assert getattr(engine, key) == value, key
+    assert (engine.nnodes, engine.node_rank, engine.master_addr, engine.master_port) == (
+        2,
+        1,
+        "gpu-a",
+        29555,
+    )
+    assert engine.distributed_executor_backend == "mp"
+    assert headless_args({"model": "m", "x": None, "cfg": {"a": 1}}) == ["m", "--cfg", '{"a": 1}']
+
+
+def test_nodes_come_from_the_slurm_allocation(monkeypatch, tmp_path):
+    monkeypatch.delenv(LOOPBACK_ENV, raising=False)
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    with pytest.raises(MultiNodeError, match="is 2 but it runs outside a SLURM allocation"):
+        NodeGroup.for_engine(2)
+    # A stand-in scontrol, as SLURM's expands a node list.
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho gpu-a; echo gpu-b\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-[a-b]")
+    group = NodeGroup.for_engine(2)
+    assert group.hosts == ["gpu-a", "gpu-b"] and group.launcher == "srun"
+    with pytest.raises(MultiNodeError, match="its SLURM allocation has 2 node"):
+        NodeGroup.for_engine(3)
+    monkeypatch.setenv(LOOPBACK_ENV, "1")
+    assert NodeGroup.for_engine(2).hosts == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_loopback_nodes_share_the_cores_out(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    group = NodeGroup(["127.0.0.1"] * 2, "local", master_port=1)
+    assert group.node_env(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert NodeGroup(["a", "b"], "srun", 1).node_env(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
