@@ -83,3 +83,49 @@ def test_loopback_nodes_share_the_cores_out(monkeypatch):
     group = NodeGroup(["127.0.0.1"] * 2, "local", master_port=1)
     assert group.node_env(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert NodeGroup(["a", "b"], "srun", 1).node_env(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
+@pytest.mark.vllm
+def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path):
+    """vLLM's multi-node launch on one machine: node rank 0 (this process's engine) runs
+    stage 0, a headless `vllm serve` process as node rank 1 runs stage 1; eagleflow's capture
+    hooks reach both, and the states match the float32 reference, tokens exact."""
+    from dataclasses import replace
+
+    import torch
+    from test_pipeline_parallel import capture
+    from test_reference import assert_matches_reference, build
+
+    from eagleflow.capture.plan import make_plan
+    from eagleflow.capture.reference import load_reference_model
+    from eagleflow.engine.builder import build_engine, stop_engine
+    from eagleflow.engine.settings import EngineSettings
+    from eagleflow.extract.shard import CAPTURE_WORKER
+    from eagleflow.fixtures.bundled_data import generate_conversations
+    from eagleflow.fixtures.tiny_target import build_tiny_target
+    from eagleflow.target.layers import default_layer_ids
+
+    monkeypatch.setenv(LOOPBACK_ENV, "1")
+    rows = generate_conversations(600, seed=3)
+    corpus = [m["content"] for r in rows for m in r["messages"]]
+    target = build(build_tiny_target, corpus, tmp_path / "deepseek")
+    ids = default_layer_ids(target.info.num_layers)
+    plan = replace(make_plan(target.info, ids, "auto", pipeline_parallel_size=2), fingerprint="t")
+    settings = EngineSettings(
+        target=str(target.path),
+        pipeline_parallel_size=2,
+        nodes=2,
+        max_model_len=600,
+        max_num_batched_tokens=2048,
+    )
+    llm = build_engine(settings, worker_extension=CAPTURE_WORKER, enable_prefix_caching=False)
+    try:
+        (node,) = llm.eagleflow_nodes.procs
+        assert node.poll() is None
+        states, tokens, files = capture(llm, target.shard, plan, tmp_path / "out")
+    finally:
+        stop_engine(llm)
+    assert node.poll() is not None  # the other node's workers stop with the engine
+    assert {f.split(".")[1] for f in files} == {"stage-0", "stage-1"}
+    assert torch.equal(tokens, torch.from_numpy(target.shard.input_ids))
+    assert_matches_reference(load_reference_model(target.path), states, target.shard, ids)
