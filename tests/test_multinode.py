@@ -85,6 +85,42 @@ def test_loopback_nodes_share_the_cores_out(monkeypatch):
     assert NodeGroup(["a", "b"], "srun", 1).node_env(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
 
 
+def test_a_node_that_fails_interrupts_the_job_with_its_traceback_in_the_log(tmp_path):
+    """The watcher: a node whose process ends while the engine runs interrupts the job (SIGINT
+    to it), after a line naming the node; the node's own traceback is in the same log, since
+    its output goes to the job's stdout and stderr (the shard's log under redirect_to_log)."""
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys, time\n"
+        "from eagleflow.engine.multinode import NodeGroup\n"
+        "g = NodeGroup(['127.0.0.1', '127.0.0.1'], 'local', master_port=1)\n"
+        "g.node_command = lambda rank, kw: [sys.executable, '-c', "
+        "'raise RuntimeError(\"CUDA error on this node\")']\n"
+        "g.start({}, 2)\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('job interrupted', flush=True)\n"
+        "    g.stop()\n"
+        "    sys.exit(1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log
+    assert "RuntimeError: CUDA error on this node" in log
+    assert "node rank 1 (127.0.0.1) ended with exit code 1 while the engine was running" in log
+    assert log.index("CUDA error on this node") < log.index("ended with exit code 1")
+    assert "job interrupted" in log
+
+
 @pytest.mark.vllm
 def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path):
     """vLLM's multi-node launch on one machine: node rank 0 (this process's engine) runs
@@ -123,6 +159,13 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
         (node,) = llm.eagleflow_nodes.procs
         assert node.poll() is None
         states, tokens, files = capture(llm, target.shard, plan, tmp_path / "out")
+        # A worker error on the other node reaches this process with its traceback.
+        llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
+        with pytest.raises(Exception, match="(?s)eagleflow_expect.*worker traceback"):
+            llm.collective_rpc(
+                "eagleflow_expect", args=(0, ["r"], [2], b"", {"0": "a", "1": "b"}, {})
+            )
+        llm.collective_rpc("eagleflow_uninstall")
     finally:
         stop_engine(llm)
     assert node.poll() is not None  # the other node's workers stop with the engine
