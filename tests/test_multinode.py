@@ -40,11 +40,11 @@ def test_headless_nodes_get_the_engine_arguments_of_node_zero(monkeypatch):
     kwargs = KWARGS | group.head_kwargs()
     cmd = group.node_command(1, kwargs)
     assert cmd[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu-b"]
-    assert cmd[5:9] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert cmd[5:8] == [sys.executable, "-m", "eagleflow.engine.headless_node"]
     parser = FlexibleArgumentParser()
     sub = parser.add_subparsers()
     ServeSubcommand().subparser_init(sub)
-    args = parser.parse_args(cmd[8:])
+    args = parser.parse_args(["serve", *cmd[8:]])
     assert args.headless and args.model_tag == "/models/Kimi-K2.5"
     engine = AsyncEngineArgs.from_cli_args(args)
     for key, value in KWARGS.items():
@@ -142,6 +142,7 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
     from eagleflow.target.layers import default_layer_ids
 
     monkeypatch.setenv(LOOPBACK_ENV, "1")
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "300")
     rows = generate_conversations(600, seed=3)
     corpus = [m["content"] for r in rows for m in r["messages"]]
     target = build(build_tiny_target, corpus, tmp_path / "deepseek")

@@ -4,7 +4,8 @@ vLLM 0.32's multiprocessing executor runs one engine over several nodes
 (`ParallelConfig.nnodes`, `node_rank`, `master_addr`, `master_port`; `MultiprocExecutor` with
 `nnodes_within_dp > 1`): node rank 0 builds the `LLM` and the engine core; every other node
 runs `vllm serve <target> --headless --nnodes N --node-rank r ...` with the same engine
-arguments, whose `run_headless` starts that node's workers; they join the torch.distributed
+arguments (through `eagleflow.engine.headless_node`, vLLM's serve command without its CLI
+wrapper), whose `run_headless` starts that node's workers; they join the torch.distributed
 group at `master_addr:master_port` and take their work from node 0's message queues, so
 `collective_rpc` (eagleflow's capture hooks) reaches every worker on every node.
 
@@ -13,9 +14,11 @@ package, absent from the environments eagleflow builds), it needs no cluster to 
 stopped besides the engine itself, and it runs on one machine with two "nodes" on loopback,
 which is how it is tested (tests/test_multinode.py). Inside a SLURM allocation the other nodes
 are reached with `srun --overlap --nodes=1 --ntasks=1 --nodelist=HOST`; their output goes to
-the job's stdout and stderr, which is the shard's log. A node whose process ends with an error
-while the engine runs interrupts the job (SIGINT), with its traceback above in the log; when
-the engine stops, the other nodes' processes are stopped (SIGTERM, then SIGKILL).
+the job's stdout and stderr, which is the shard's log. A node whose process ends while the
+engine runs interrupts the job (SIGINT; if the job is still alive a minute later, for instance
+blocked waiting for the engine to start, it exits with status 1), with the node's traceback
+above in the log; when the engine stops, the other nodes' processes are stopped (SIGTERM, then
+SIGKILL).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 
 # Test hook: run the other "nodes" as local processes on 127.0.0.1 (one machine, loopback).
 LOOPBACK_ENV = "EAGLEFLOW_LOOPBACK_NODES"
+# After a node fails: how long the job has to stop on SIGINT before it is ended.
+GRACE_SECONDS = 60
 
 
 class MultiNodeError(RuntimeError):
@@ -118,7 +123,7 @@ class NodeGroup:
     def node_command(self, rank: int, llm_kwargs: dict) -> list[str]:
         """The command that runs node `rank`'s workers (headless vLLM), with its launcher."""
         kwargs = llm_kwargs | self.head_kwargs() | {"node_rank": rank, "headless": True}
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *headless_args(kwargs)]
+        cmd = [sys.executable, "-m", "eagleflow.engine.headless_node", *headless_args(kwargs)]
         if self.launcher == "srun":
             host = self.hosts[rank]
             # --overlap: the job's own step (this process) already holds the allocation's CPUs.
@@ -161,7 +166,10 @@ class NodeGroup:
                     )
                     self.stopping = True
                     os.kill(os.getpid(), signal.SIGINT)
-                    return
+                    # vLLM's engine start-up wait does not always give way to SIGINT.
+                    threading.Event().wait(GRACE_SECONDS)
+                    print("eagleflow: the job did not stop on SIGINT; exiting", flush=True)
+                    os._exit(1)
             threading.Event().wait(1.0)
 
     def stop(self, timeout: float = 30.0) -> None:
