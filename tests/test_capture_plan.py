@@ -335,7 +335,7 @@ def test_patch_script_passes_the_configured_device(tmp_path):
                     "strategy": "extract_hidden_states",
                 },
             ),
-            config={"extract": {"device": device}},
+            config={"extract": {"device": device, "pipeline_parallel_size": 1}},
             wildcards=SimpleNamespace(fp="fp0"),
             log=[str(log)],
             output=[str(out)],
