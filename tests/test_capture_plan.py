@@ -336,7 +336,7 @@ def test_patch_script_passes_the_configured_device(tmp_path):
                 },
             ),
             config={
-                "extract": {"device": device},
+                "extract": {"device": device, "pipeline_parallel_size": 1},
                 "capture": {"storage_dtype": "float8_e4m3fn"},
             },
             wildcards=SimpleNamespace(fp="fp0"),

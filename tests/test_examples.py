@@ -10,8 +10,21 @@ import yaml
 from support.workflow_runner import REPO, snakemake
 
 
-@pytest.mark.parametrize("example", ["deepseek-v3-tp8.yaml", "kimi-k2.5-tp8.yaml"])
-def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepseek_v3, tmp_path):
+@pytest.mark.parametrize(
+    "example, devices",
+    [
+        ("deepseek-v3-tp8.yaml", "tensor_parallel_size=8 needs 8 CUDA devices on this node"),
+        ("kimi-k2.5-tp8.yaml", "tensor_parallel_size=8 needs 8 CUDA devices on this node"),
+        (
+            "kimi-k2.5-tp8-pp2-2nodes.yaml",
+            "tensor_parallel_size=8 x pipeline_parallel_size=2 on 2 nodes needs 8 CUDA devices "
+            "on this node",
+        ),
+    ],
+)
+def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(
+    example, devices, fake_deepseek_v3, tmp_path
+):
     cfg = yaml.safe_load((REPO / "config" / "examples" / example).read_text())
     data = tmp_path / "train.jsonl"
     rows = [
@@ -33,7 +46,7 @@ def test_gpu_example_plans_and_fails_fast_on_a_cpu_machine(example, fake_deepsee
     # The DAG built and sharding ran first, with the target's tokenizer.
     assert (tmp_path / "results" / "shards" / "manifest.parquet").is_file(), out[-3000:]
     log = next((tmp_path / "results" / "logs" / "validate_env").glob("*.log")).read_text()
-    assert "tensor_parallel_size=8 needs 8 CUDA devices, 0 are visible" in log
+    assert f"{devices}, 0 are visible" in log
     assert "[ok] layer_ids: [2, 30, 58, 61]" in log
     assert "capture_plan" not in " ".join(
         p.name for p in (tmp_path / "results" / "hidden").glob("*/*")

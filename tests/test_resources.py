@@ -64,3 +64,19 @@ def test_measured_rates_from_finished_shards(tmp_path):
     (tmp_path / "fingerprint.json").write_text("{}")
     (tmp_path / f"{0:020x}.verify.json").write_text("{}")
     assert jr.measured_rates(tmp_path) == (pytest.approx(200.0), pytest.approx(30.0))
+
+
+def test_pipeline_and_multi_node_jobs_ask_for_every_worker_s_gpu():
+    # One node of 8 GPUs running TP=4 x PP=2.
+    one = {**CUDA, "tensor_parallel_size": 4, "pipeline_parallel_size": 2}
+    assert jr.extract_gpus(one) == jr.extract_gpu_resource(one) == 8
+    assert jr.extract_gres(one) == "" and jr.extract_nodes(one) == 1
+    # Kimi-K2.5 on two nodes of 8 x H100: TP=8 x PP=2, `--nodes=2 --gres=gpu:8`.
+    two = {**CUDA, "pipeline_parallel_size": 2, "nodes": 2}
+    assert jr.extract_nodes(two) == 2 and jr.extract_gpus(two) == 8
+    assert jr.extract_gpu_resource(two) == 0 and jr.extract_gres(two) == "gpu:8"
+    assert jr.extract_cpus(two) == 64 and jr.extract_mem_mb(two, 10**12) == 8 * 64000
+    # A CPU engine of PP=2 workers: a core and a KV cache each.
+    cpu = {**CPU, "pipeline_parallel_size": 2}
+    assert jr.extract_cpus(cpu) == 2
+    assert jr.extract_mem_mb(cpu, 2**30) == 1024 + 2 * 1024 + 2048

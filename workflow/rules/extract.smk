@@ -26,13 +26,14 @@ rule extract_shard:
     conda:
         CONDA_ENV
     # One engine per machine when run locally (it uses every core); on a cluster the job asks
-    # for GPUs on one node, CPUs and memory to match, and a runtime estimated from the
-    # shard's tokens, the throughput, the model load time and the verification read
-    # (docs/slurm.md).
+    # for its nodes (extract.nodes) with TP x PP / nodes GPUs each, CPUs and memory to match,
+    # and a runtime estimated from the shard's tokens, the throughput, the model load time
+    # and the verification read (docs/slurm.md).
     threads: extract_threads
     resources:
-        gpu=jobres.extract_gpus(EXTRACT),
-        nodes=1,
+        gpu=jobres.extract_gpu_resource(EXTRACT),
+        gres=jobres.extract_gres(EXTRACT),
+        nodes=jobres.extract_nodes(EXTRACT),
         cpus_per_task=jobres.extract_cpus(EXTRACT),
         mem_mb=extract_mem_mb,
         runtime=extract_runtime,

@@ -19,7 +19,9 @@ rule regenerate:
         CONDA_ENV
     threads: extract_threads
     resources:
-        gpu=jobres.extract_gpus(EXTRACT),
+        gpu=jobres.extract_gpu_resource(EXTRACT),
+        gres=jobres.extract_gres(EXTRACT),
+        nodes=jobres.extract_nodes(EXTRACT),
         cpus_per_task=jobres.extract_cpus(EXTRACT),
         runtime=lambda wildcards, attempt: REGENERATE["runtime_minutes"] * attempt,
     params:

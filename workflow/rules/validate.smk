@@ -30,6 +30,8 @@ rule validate_env:
             for k in (
                 "device",
                 "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "nodes",
                 "dtype",
                 "cpu_kvcache_space_gib",
                 "gpu_memory_utilization",

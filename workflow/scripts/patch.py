@@ -9,14 +9,17 @@ with redirect_to_log(snakemake.log[0]):
     info = read_target(snakemake.params.target)
     cap = snakemake.params.capture
     ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
-    # The device decides whether extract_hidden_states can work (CUDA only).
-    # The storage dtype is read from the config, not a param: it is in the fingerprint (the
-    # output's path), and the default must not re-run the plans of existing extractions.
+    # The device decides whether extract_hidden_states can work (CUDA only); the pipeline
+    # layout, which stage captures which ids (an extract job re-plans if it changes). The
+    # storage dtype is read from the config, not a param: it is in the fingerprint (the output's
+    # path), and the default must not re-run the plans of existing extractions.
+    ext = snakemake.config["extract"]
     plan = make_plan(
         info,
         ids,
         cap["strategy"],
-        device=snakemake.config["extract"]["device"],
+        device=ext["device"],
+        pipeline_parallel_size=ext["pipeline_parallel_size"],
         storage_dtype=snakemake.config["capture"]["storage_dtype"],
     )
     plan = replace(plan, fingerprint=snakemake.wildcards.fp)

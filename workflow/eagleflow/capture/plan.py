@@ -15,6 +15,15 @@ Strategies:
   where it works: CUDA (the connector copies through pinned memory on a CUDA stream), non-MLA
   targets, the vLLM versions whose source eagleflow has read. Never chosen by `auto`.
 
+Pipeline parallelism: each stage runs the decoder layers [start_layer, end_layer) that the
+installed vLLM assigns it (`vllm.distributed.utils.get_pp_indices`, which honours
+`VLLM_PP_LAYER_PARTITION`), and captures the ids it owns: id k (the residual stream entering
+layer k) belongs to the stage running layer k, and id L (the final pre-norm state) to the last
+stage. The plan records the stages (`Stage`); the workers check them against the layers their
+model was built with. vLLM 0.32's stages before the last return `IntermediateTensors` without
+their aux states, so with PP > 1 `auto` picks `patched_forward` (which keeps them) and
+`aux_layers` is refused where the installed forward drops them.
+
 Every strategy lists what it depends on in the installed code; `check_plan` verifies each
 item (methods exist, signatures match by parameter names and order) and fails with one
 message naming the vLLM version, the class, what was expected and what was found.
@@ -25,7 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from eagleflow.engine.version import vllm_version
@@ -131,6 +140,15 @@ def _fail(cls, expected, found, todo) -> CaptureCheckError:
     )
 
 
+def _aux_kept_on_inner_stages(inner_src: str) -> bool:
+    """Whether the inner forward's return on a stage before the last carries its aux states
+    (in vLLM 0.32 it returns `IntermediateTensors({"hidden_states", "residual"})` only)."""
+    if "is_last_rank" not in inner_src:
+        return False
+    branch = inner_src.split("is_last_rank", 1)[1].split("\n\n", 1)[0]
+    return "aux" in branch
+
+
 def introspect(spec: ArchSpec) -> dict:
     """What the installed vLLM offers for this architecture (imports code, loads no weights)."""
     mod = importlib.import_module(spec.module)
@@ -162,6 +180,7 @@ def introspect(spec: ArchSpec) -> dict:
         # Capturing id L (final pre-norm state) arrived in mid-2026 versions.
         "aux_captures_final": "end_layer in self.aux_hidden_state_layers" in inner_src
         or "_maybe_add_hidden_state" in inner_src,
+        "aux_kept_on_inner_stages": _aux_kept_on_inner_stages(inner_src),
         "embedding_method": embed,
         "layer_call_signature": list(_params(layer_cls.forward)),
         "inner_forward_signature": list(_params(inner_cls.forward)),
@@ -327,7 +346,12 @@ def check_extract_hidden_states(found: dict, device: str, is_mla: bool) -> list[
 
 
 def choose_strategy(
-    requested: str, found: dict, layer_ids: list[int], num_layers: int, spec: ArchSpec
+    requested: str,
+    found: dict,
+    layer_ids: list[int],
+    num_layers: int,
+    spec: ArchSpec,
+    pipeline_parallel_size: int = 1,
 ) -> Strategy:
     if requested != "auto":
         return parse_strategy(requested)
@@ -337,6 +361,7 @@ def choose_strategy(
         return Strategy.AUX_LAYERS  # the patched forward exists for the DeepseekV2 family only
     aux_ok = (
         found["has_aux_interface"]
+        and (pipeline_parallel_size == 1 or found.get("aux_kept_on_inner_stages", False))
         and (spec.aux_captures_embeddings or 0 not in layer_ids)
         and (found["aux_captures_final"] or num_layers not in layer_ids)
     )
@@ -360,10 +385,26 @@ def check_plan(
     spec: ArchSpec,
     device: str = "cpu",
     is_mla: bool = False,
+    pipeline_parallel_size: int = 1,
 ) -> list[str]:
     """Raise CaptureCheckError on the first unmet dependency; return the checks that passed."""
     strategy = parse_strategy(strategy)
     passed = []
+    pp = pipeline_parallel_size
+    if pp > 1 and strategy is Strategy.EXTRACT_HIDDEN_STATES:
+        raise _ehs_refusal(
+            f"extract.pipeline_parallel_size is {pp}, and vLLM's own extraction supports one "
+            "pipeline stage only (vLLM issue 14089)",
+            "Use `capture.strategy: auto`.",
+        )
+    if pp > 1 and strategy is Strategy.AUX_LAYERS and not found.get("aux_kept_on_inner_stages"):
+        raise _fail(
+            found["inner_class"] + ".forward",
+            f"aux states returned by every pipeline stage (extract.pipeline_parallel_size {pp})",
+            "stages before the last return IntermediateTensors without their aux states",
+            "Set `capture.strategy: patched_forward` (or auto) for a DeepseekV2-family target, "
+            "or `extract.pipeline_parallel_size: 1`.",
+        )
     if strategy is Strategy.EXTRACT_HIDDEN_STATES:
         passed += check_extract_hidden_states(found, device, is_mla)
         # vLLM hands eagle_aux_hidden_state_layer_ids to the model's set_aux_hidden_state_layers:
@@ -428,6 +469,47 @@ def check_plan(
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the decoder layers [start_layer, end_layer) the installed vLLM gives
+    it, and the layer ids it captures (module docstring)."""
+
+    rank: int
+    start_layer: int
+    end_layer: int
+    layer_ids: tuple[int, ...]
+
+
+def pipeline_stages(num_layers: int, layer_ids: list[int], pp: int) -> tuple[Stage, ...]:
+    """The stages of a `pp`-stage pipeline as the installed vLLM partitions the layers (read
+    from `get_pp_indices`, not recomputed), each with the ids it owns."""
+    from vllm.distributed.utils import get_pp_indices
+
+    if pp > num_layers:
+        raise CaptureCheckError(
+            f"extract.pipeline_parallel_size is {pp} but the target has {num_layers} decoder "
+            f"layers; each pipeline stage needs at least one, so use at most {num_layers} stages"
+        )
+    try:
+        bounds = [get_pp_indices(num_layers, rank, pp) for rank in range(pp)]
+    except ValueError as e:  # a VLLM_PP_LAYER_PARTITION that does not fit
+        raise CaptureCheckError(
+            f"vLLM {vllm_version()} refuses the pipeline partition of {num_layers} layers into "
+            f"{pp} stages ({e}); fix or unset VLLM_PP_LAYER_PARTITION"
+        ) from None
+    stages = []
+    for rank, (start, end) in enumerate(bounds):
+        if end <= start:
+            raise CaptureCheckError(
+                f"pipeline stage {rank} of {pp} gets no decoder layer (layers {start}..{end}); "
+                "fix VLLM_PP_LAYER_PARTITION or use fewer stages"
+            )
+        last = rank == pp - 1
+        owned = tuple(k for k in layer_ids if start <= k < end or (last and k == end))
+        stages.append(Stage(rank, start, end, owned))
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
 class CapturePlan:
     """What the `patch` rule decided and checked, read by every job that touches the engine.
     Written as `capture_plan.json` (`save`); `introspection` is what the installed vLLM was
@@ -448,6 +530,9 @@ class CapturePlan:
     checks_passed: list[str]
     introspection: dict = field(default_factory=dict)
     fingerprint: str | None = None
+    pipeline_parallel_size: int = 1
+    # Which stage runs which layers and captures which ids (`pipeline_stages`).
+    stages: tuple[Stage, ...] = ()
     layer_id_convention: str = CONVENTION
     layer_id_convention_text: str = CONVENTION_TEXT
     storage_dtype: str = DEFAULT_STORAGE
@@ -462,7 +547,16 @@ class CapturePlan:
 
     @classmethod
     def from_json(cls, record: dict) -> CapturePlan:
-        return cls(**(record | {"strategy": Strategy(record["strategy"])}))
+        stages = tuple(
+            Stage(s["rank"], s["start_layer"], s["end_layer"], tuple(s["layer_ids"]))
+            for s in record.get("stages", ())
+        )
+        return cls(**(record | {"strategy": Strategy(record["strategy"]), "stages": stages}))
+
+    @property
+    def capturing_stages(self) -> tuple[Stage, ...]:
+        """The stages that own at least one layer id (each writes its own chunk files)."""
+        return tuple(s for s in self.stages if s.layer_ids)
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -479,6 +573,7 @@ def make_plan(
     layer_ids: list[int],
     requested: str,
     device: str = "cpu",
+    pipeline_parallel_size: int = 1,
     storage_dtype: str = DEFAULT_STORAGE,
 ) -> CapturePlan:
     try:
@@ -494,12 +589,27 @@ def make_plan(
     found = introspect(spec)
     if info.wrapper is not None:
         found |= introspect_wrapper(info.wrapper)
-    strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec)
+    pp = pipeline_parallel_size
+    stages = pipeline_stages(info.num_layers, layer_ids, pp)
+    strategy = choose_strategy(requested, found, layer_ids, info.num_layers, spec, pp)
     if strategy is Strategy.EXTRACT_HIDDEN_STATES:
         found |= introspect_extract_hidden_states()
     checks = check_plan(
-        strategy, found, layer_ids, info.num_layers, spec, device=device, is_mla=info.is_mla
+        strategy,
+        found,
+        layer_ids,
+        info.num_layers,
+        spec,
+        device=device,
+        is_mla=info.is_mla,
+        pipeline_parallel_size=pp,
     )
+    if pp > 1:
+        checks += [
+            f"pipeline stage {s.rank}: layers {s.start_layer}..{s.end_layer - 1}, "
+            f"captures ids {list(s.layer_ids)}"
+            for s in stages
+        ]
     checks += [f"wrapper {info.wrapper}: {c}" for c in found.get("wrapper_checks", [])]
     return CapturePlan(
         strategy=strategy,
@@ -514,5 +624,24 @@ def make_plan(
         device=device,
         checks_passed=checks,
         introspection=found,
+        pipeline_parallel_size=pp,
+        stages=stages,
         storage_dtype=storage_dtype,
     )
+
+
+def plan_for_pipeline(plan: CapturePlan, info: TargetInfo, pp: int) -> CapturePlan:
+    """`plan` for a `pp`-stage pipeline: itself if it was made for `pp` stages, else the plan
+    `make_plan` makes for `pp` from the same request (the stored plan is not rewritten when
+    only the parallelism changes: the fingerprint, and so the shards, do not depend on it)."""
+    if plan.pipeline_parallel_size == pp and plan.stages:
+        return plan
+    fresh = make_plan(
+        info,
+        plan.layer_ids,
+        plan.requested_strategy,
+        plan.device,
+        pp,
+        storage_dtype=plan.storage_dtype,
+    )
+    return replace(fresh, fingerprint=plan.fingerprint)

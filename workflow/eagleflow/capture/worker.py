@@ -16,8 +16,10 @@ With `storage_dtype` float8_e4m3fn in the plan, each aux state is quantized on t
 that copy moves about half the bytes; the chunk file then holds `hidden_states` (F8_E4M3) and
 `hidden_scales` (F32 [tokens, n_layers]).
 
-Only TP rank 0 keeps states (they are replicated across TP ranks after the all-gathers in
-vLLM's forward); the other ranks copy nothing. A write error surfaces on the next call.
+Only TP rank 0 of each pipeline stage keeps states (they are replicated across TP ranks after
+the all-gathers in vLLM's forward), and only the layer ids its stage owns (`CapturePlan.stages`);
+it writes them to its own chunk file (`ShardChunks.path(i, stage)`); the other ranks copy
+nothing. A write error surfaces on the next call.
 Every error raised here carries the full worker traceback in its message.
 """
 
@@ -64,23 +66,50 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _pp_group():
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group()
+
+
+def _allocate_intermediate_tensors(runner) -> None:
+    """vLLM 0.32's CPU worker never allocates the buffer a later pipeline stage receives into:
+    it is made in `_dummy_run`, which the CPU worker skips when compilation is off
+    (`cpu_worker._should_warm_up_model`); the first forward then fails on
+    `assert self.intermediate_tensors is not None`. Allocate it as `_dummy_run` does."""
+    if getattr(runner, "intermediate_tensors", None) is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens,
+            dtype=runner.model_config.dtype,
+            device=runner.device,
+        )
+
+
 def patched_deepseek_v2_forward(inner, layer_ids, embedding_method):
-    """eagleflow's replica of DeepseekV2Model.forward (single pipeline stage) that also
-    returns the residual stream entering each captured layer; id L = final pre-norm state."""
+    """eagleflow's replica of DeepseekV2Model.forward that also returns the residual stream
+    entering each captured layer of this pipeline stage; id L = final pre-norm state (last
+    stage). Layers are indexed globally, as in vLLM's forward; a stage before the last returns
+    `IntermediateTensors` with its aux states."""
     from vllm.model_executor.models.deepseek_v2 import _get_llama_4_scaling
+    from vllm.sequence import IntermediateTensors
 
     wanted = set(layer_ids)
-    num_layers = len(inner.layers)
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    pp = _pp_group()
+    first, last = pp.is_first_rank, pp.is_last_rank
 
     def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        if intermediate_tensors is not None:
-            raise NotImplementedError("patched_forward supports one pipeline stage only")
-        hidden = (
-            inputs_embeds
-            if inputs_embeds is not None
-            else getattr(inner, embedding_method)(input_ids)
-        )
-        residual = None
+        if first:
+            hidden = (
+                inputs_embeds
+                if inputs_embeds is not None
+                else getattr(inner, embedding_method)(input_ids)
+            )
+            residual = None
+        else:
+            hidden = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
         scaling_cfg = getattr(inner.config, "llama_4_scaling", None)
         scaling = None
         if scaling_cfg is not None:
@@ -90,11 +119,13 @@ def patched_deepseek_v2_forward(inner, layer_ids, embedding_method):
                 positions=positions,
             )
         aux = []
-        for idx, layer in enumerate(islice(inner.layers, 0, num_layers)):
+        for idx, layer in enumerate(islice(inner.layers, start, end), start=start):
             if idx in wanted:
                 aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, scaling)
-        if num_layers in wanted:
+        if not last:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual}), aux
+        if end in wanted:
             aux.append(hidden + residual)
         hidden, _ = inner.norm(hidden, residual)
         return hidden, aux
@@ -116,7 +147,14 @@ class CaptureExtension:
         self._ef_counts: dict[str, int] = {}  # engine request id -> rows kept so far
         self._ef_expected: list[dict] = []  # registered chunks still missing rows, in order
         self._ef_write_error: str | None = None
-        self._ef_rank0 = _tp_rank() == 0
+        pp = _pp_group()
+        stage = plan.stages[pp.rank_in_group] if plan.stages else None
+        self._ef_stage = stage
+        # This stage's ids (all of them without a pipeline).
+        self._ef_ids = tuple(stage.layer_ids) if stage else tuple(plan.layer_ids)
+        self._ef_rank0 = _tp_rank() == 0 and bool(self._ef_ids)
+        if not pp.is_first_rank:
+            _allocate_intermediate_tensors(self.model_runner)
         # Seconds spent in device->host copies (on the forward path) and in assembling and
         # writing chunk files (on the writer thread, overlapping the next batches' prefill).
         self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
@@ -129,6 +167,21 @@ class CaptureExtension:
         # A multimodal wrapper (Kimi-K2.5) keeps its text model under `language_model` and
         # delegates set_aux_hidden_state_layers and forward to it.
         inner = getattr(model, "language_model", model).model
+        built = (getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(inner.layers)))
+        if stage is not None and built != (stage.start_layer, stage.end_layer):
+            raise RuntimeError(
+                f"pipeline stage {stage.rank}: the model was built with layers "
+                f"{built[0]}..{built[1] - 1}, the capture plan expects "
+                f"{stage.start_layer}..{stage.end_layer - 1}; the plan and the engine disagree "
+                "on the partition (VLLM_PP_LAYER_PARTITION?)"
+            )
+        info = {
+            "rank0": self._ef_rank0,
+            "model_class": type(model).__name__,
+            "pp_rank": pp.rank_in_group,
+            "layers": list(built),
+            "layer_ids": list(self._ef_ids),
+        }
         if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:
             # vLLM itself set the aux layers from the speculative config, and its connector writes
             # the files: nothing to wrap, only check that the engine captures the planned ids.
@@ -139,13 +192,13 @@ class CaptureExtension:
                     f"the plan asks for {list(layer_ids)}"
                 )
             self._ef_undo = lambda: None
-            return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
+            return info
         if plan.strategy is Strategy.AUX_LAYERS:
             model.set_aux_hidden_state_layers(layer_ids)
             self._ef_undo = lambda: model.set_aux_hidden_state_layers(())
             inner_call = None
         else:  # Strategy.PATCHED_FORWARD
-            inner_call = patched_deepseek_v2_forward(inner, layer_ids, plan.embedding_method)
+            inner_call = patched_deepseek_v2_forward(inner, self._ef_ids, plan.embedding_method)
             self._ef_undo = lambda: None
         original = model.forward
 
@@ -161,7 +214,7 @@ class CaptureExtension:
 
         # An instance attribute shadows the class's forward; deleting it restores vLLM's own.
         model.forward = forward
-        return {"rank0": self._ef_rank0, "model_class": type(model).__name__}
+        return info
 
     def _ef_keep(self, input_ids, positions, aux):
         runner = self.model_runner
@@ -171,9 +224,9 @@ class CaptureExtension:
         req_ids = runner.input_batch.req_ids[:num_reqs]
         bounds = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
         n = bounds[-1]
-        if len(aux) != len(self._ef_plan.layer_ids):
+        if len(aux) != len(self._ef_ids):
             raise RuntimeError(
-                f"the model returned {len(aux)} aux states for layer ids {self._ef_plan.layer_ids}"
+                f"the model returned {len(aux)} aux states for layer ids {list(self._ef_ids)}"
             )
         t0 = time.perf_counter()
         # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because
@@ -300,14 +353,18 @@ class CaptureExtension:
         request_ids: list[str],
         lengths: list[int],
         token_bytes: bytes,
-        path: str,
+        paths: dict,
         metadata: dict,
     ) -> int:
         """Register chunk `chunk`: the engine request ids of its samples (in order), their
-        lengths, the expected tokens (int64 bytes) and the file to write once all rows are in."""
+        lengths, the expected tokens (int64 bytes) and the file to write once all rows are in
+        (`paths`: pipeline rank -> file, as strings, for the stages that capture ids)."""
         self._ef_raise_write_error()
         if not self._ef_rank0:
             return 0
+        rank = str(self._ef_stage.rank if self._ef_stage else 0)
+        path = paths[rank]
+        metadata = metadata | {"layer_ids": list(self._ef_ids)}
         if len(token_bytes) != 8 * sum(lengths):
             raise ValueError(
                 f"chunk {chunk}: {len(token_bytes)} bytes of tokens for {sum(lengths)} tokens"

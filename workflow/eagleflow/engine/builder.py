@@ -42,6 +42,7 @@ def build_engine(
         model=settings.target,
         tokenizer=settings.target,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         enforce_eager=eager,
@@ -54,16 +55,39 @@ def build_engine(
         )
     if settings.single_process:
         kwargs["distributed_executor_backend"] = "uni"
+    elif settings.pipeline_parallel_size > 1:
+        # vLLM's own multiprocessing executor runs the stages (supports_pp).
+        kwargs["distributed_executor_backend"] = "mp"
     if settings.max_num_seqs:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.device == "cuda":
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     kwargs.update(llm_kwargs)
-    return LLM(**kwargs)
+    if settings.nodes == 1:
+        return LLM(**kwargs)
+    # Several nodes: the others run headless vLLM workers, started first (node 0 waits for
+    # them) and stopped with the engine (eagleflow.engine.multinode).
+    from eagleflow.engine.multinode import NodeGroup
+
+    nodes = NodeGroup.for_engine(settings.nodes)
+    kwargs.update(nodes.head_kwargs())
+    nodes.start(kwargs, settings.world_size)
+    try:
+        llm = LLM(**kwargs)
+    except BaseException:
+        nodes.stop()
+        raise
+    llm.eagleflow_nodes = nodes
+    return llm
 
 
 def stop_engine(llm) -> None:
     """Shut the engine down now, so its processes' last words land before the job's summary
-    line and their memory is free. LLM has no public shutdown in vLLM 0.32; the engine-core
-    client's is what its __del__ uses."""
-    llm.llm_engine.engine_core.shutdown()
+    line and their memory is free, then the other nodes' workers, if any. LLM has no public
+    shutdown in vLLM 0.32; the engine-core client's is what its __del__ uses."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        nodes = getattr(llm, "eagleflow_nodes", None)
+        if nodes is not None:
+            nodes.stop()

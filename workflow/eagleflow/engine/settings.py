@@ -13,6 +13,10 @@ class EngineSettings:
     target: str
     device: str = "cpu"
     tensor_parallel_size: int = 1
+    # Stages of vLLM's pipeline; each runs tensor_parallel_size workers.
+    pipeline_parallel_size: int = 1
+    # Nodes the engine spans (vLLM's own multi-node launch, eagleflow.engine.multinode).
+    nodes: int = 1
     dtype: str = "bfloat16"
     max_model_len: int = 513
     # None: vLLM's default. Never below max_model_len (a prompt must fit one forward).
@@ -34,6 +38,8 @@ class EngineSettings:
             target=config["target"]["path"],
             device=ext["device"],
             tensor_parallel_size=ext["tensor_parallel_size"],
+            pipeline_parallel_size=ext["pipeline_parallel_size"],
+            nodes=ext["nodes"],
             dtype=ext["dtype"],
             max_model_len=config["data"]["max_length"] + 1,
             gpu_memory_utilization=ext["gpu_memory_utilization"],
@@ -62,6 +68,11 @@ class EngineSettings:
         raise ValueError(f"unknown job {job!r}: extract, regenerate or evaluate")
 
     @property
+    def world_size(self) -> int:
+        """Worker processes (and devices) the engine runs: TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def single_process(self) -> bool:
         """Run the engine core and its one worker in this process (TP=1): no spawn, no second
         and third import of vLLM and torch (tens of seconds per engine start on a busy CPU),
@@ -71,17 +82,17 @@ class EngineSettings:
         loaded module for Triton kernels and fails on llvmlite's `_lib_fn_wrapper` objects
         ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"); a spawned engine
         core starts from a clean interpreter."""
-        return self.tensor_parallel_size == 1 and "llvmlite" not in sys.modules
+        return self.world_size == 1 and "llvmlite" not in sys.modules
 
 
-def cpu_threads_bind(tp: int, configured: str | None) -> str:
+def cpu_threads_bind(workers: int, configured: str | None) -> str:
     """VLLM_CPU_OMP_THREADS_BIND: the configured value, else the cores of this process split
-    evenly between the TP workers ("0-3|4-7")."""
+    evenly between the engine's workers, TP x PP of them ("0-3|4-7")."""
     if configured:
         return configured
     cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // tp)
-    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(tp)]
+    per = max(1, len(cores) // workers)
+    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(workers)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
@@ -92,5 +103,5 @@ def configure_process_env(settings: EngineSettings) -> None:
     if settings.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
-            settings.tensor_parallel_size, settings.cpu_threads_bind
+            settings.world_size, settings.cpu_threads_bind
         )

@@ -62,31 +62,49 @@ def mem_available_bytes() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
+def _layout(tp: int, pp: int) -> str:
+    return f"tensor_parallel_size={tp}" + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
+
+
 def check_devices(
-    device: str, tp: int, weight_bytes: int, cpu_kvcache_gib: int, gpu_memory_utilization: float
+    device: str,
+    tp: int,
+    weight_bytes: int,
+    cpu_kvcache_gib: int,
+    gpu_memory_utilization: float,
+    pp: int = 1,
+    nodes: int = 1,
 ) -> list[Check]:
+    """Devices and memory for an engine of TP x PP workers, one device each, on this node's
+    share of them (TP x PP / nodes): each device holds about weights / (TP x PP) (vLLM splits
+    layers across stages, tensors across TP ranks)."""
     checks = []
-    per_device = weight_bytes / tp
+    world = tp * pp // max(1, nodes)
+    layout = _layout(tp, pp) + (f" on {nodes} nodes" if nodes > 1 else "")
+    lower = "lower extract.tensor_parallel_size" + (
+        " or extract.pipeline_parallel_size" if pp > 1 else ""
+    )
+    per_device = weight_bytes / (tp * pp)
     if device == "cpu":
         cores = len(os.sched_getaffinity(0))
         checks.append(
             Check(
                 "devices",
-                cores >= tp,
-                f"{cores} CPU cores for tensor_parallel_size={tp}"
-                if cores >= tp
-                else f"tensor_parallel_size={tp} needs at least {tp} CPU cores, this machine lets "
-                f"the job use {cores}; lower extract.tensor_parallel_size",
+                cores >= world,
+                f"{cores} CPU cores for {layout}"
+                if cores >= world
+                else f"{layout} needs at least {world} CPU cores (one per worker), this machine "
+                f"lets the job use {cores}; {lower}",
             )
         )
-        need = weight_bytes + tp * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
+        need = per_device * world + world * (cpu_kvcache_gib << 30) + CPU_OVERHEAD_BYTES
         have = mem_available_bytes()
         checks.append(
             Check(
                 "memory",
                 need <= have,
-                f"weights {weight_bytes / 2**30:.2f} GiB + KV cache {tp * cpu_kvcache_gib} GiB + "
-                f"overhead fit in {have / 2**30:.1f} GiB available"
+                f"weights {weight_bytes / 2**30:.2f} GiB + KV cache {world * cpu_kvcache_gib} GiB "
+                f"+ overhead fit in {have / 2**30:.1f} GiB available"
                 if need <= have
                 else f"the target needs about {need / 2**30:.1f} GiB of RAM (weights, KV cache, "
                 f"overhead) but {have / 2**30:.1f} GiB is available; use a larger machine or a "
@@ -100,15 +118,15 @@ def check_devices(
         checks.append(
             Check(
                 "devices",
-                n >= tp,
-                f"{n} CUDA devices for tensor_parallel_size={tp}"
-                if n >= tp
-                else f"tensor_parallel_size={tp} needs {tp} CUDA devices, {n} are visible; run on "
-                f"a node with {tp} GPUs or lower extract.tensor_parallel_size",
+                n >= world,
+                f"{n} CUDA devices for {layout}"
+                if n >= world
+                else f"{layout} needs {world} CUDA devices on this node, {n} are visible; run on "
+                f"nodes with {world} GPUs or {lower}",
             )
         )
-        if n >= tp:
-            free = min(torch.cuda.mem_get_info(i)[0] for i in range(tp))
+        if n >= world:
+            free = min(torch.cuda.mem_get_info(i)[0] for i in range(world))
             budget = free * gpu_memory_utilization
             checks.append(
                 Check(
@@ -117,12 +135,40 @@ def check_devices(
                     f"{per_device / 2**30:.1f} GiB of weights per GPU fit in {budget / 2**30:.1f} "
                     "GiB"
                     if per_device < budget
-                    else f"each GPU needs {per_device / 2**30:.1f} GiB for weights at TP={tp} but "
+                    else f"each GPU needs {per_device / 2**30:.1f} GiB for weights at {layout} but "
                     f"only {budget / 2**30:.1f} GiB is usable; raise extract.tensor_parallel_size "
-                    "or use larger GPUs",
+                    "or extract.pipeline_parallel_size, or use larger GPUs",
                 )
             )
     return checks
+
+
+def check_nodes(tp: int, pp: int, nodes: int) -> Check:
+    """The workers (TP x PP) must share out evenly over the nodes (vLLM's multi-node launch
+    gives each node world_size / nnodes of them)."""
+    world = tp * pp
+    ok = world % nodes == 0
+    return Check(
+        "nodes",
+        ok,
+        f"{world // nodes if ok else '?'} workers on each of {nodes} node(s)"
+        if ok
+        else f"extract.nodes is {nodes} but {_layout(tp, pp)} makes {world} workers, which do "
+        f"not share out evenly over {nodes} nodes; use a number of nodes that divides {world}",
+    )
+
+
+def check_stages(pp: int, num_layers: int) -> Check:
+    """Pipeline stages against the target's layers (vLLM gives each stage at least one; the
+    exact partition is read from vLLM by the `patch` job, `capture.plan.pipeline_stages`)."""
+    return Check(
+        "pipeline_stages",
+        pp <= num_layers,
+        f"{pp} pipeline stage(s) over {num_layers} decoder layers"
+        if pp <= num_layers
+        else f"extract.pipeline_parallel_size is {pp} but the target has {num_layers} decoder "
+        f"layers; each pipeline stage needs at least one, so use at most {num_layers} stages",
+    )
 
 
 def check_devices_for(settings) -> None:
@@ -131,13 +177,18 @@ def check_devices_for(settings) -> None:
     the configured `extract.device`."""
     import sys
 
-    checks = check_devices(
-        settings.device,
-        settings.tensor_parallel_size,
-        weight_bytes(read_target(settings.target)),
-        settings.cpu_kvcache_space_gib,
-        settings.gpu_memory_utilization,
-    )
+    tp, pp, nodes = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.nodes
+    checks = [check_nodes(tp, pp, nodes)]
+    if checks[0].ok:
+        checks += check_devices(
+            settings.device,
+            tp,
+            weight_bytes(read_target(settings.target)),
+            settings.cpu_kvcache_space_gib,
+            settings.gpu_memory_utilization,
+            pp=pp,
+            nodes=nodes,
+        )
     for check in checks:
         print(f"[{'ok' if check.ok else 'FAILED'}] {check.name}: {check.detail}")
     failed = [c.detail for c in checks if not c.ok]
@@ -162,7 +213,8 @@ def validate(
         )
     )
     ext, cap = config["extract"], config["capture"]
-    tp = ext["tensor_parallel_size"]
+    tp, pp = ext["tensor_parallel_size"], ext.get("pipeline_parallel_size", 1)
+    nodes = ext.get("nodes", 1)
     try:
         info = read_target(target_dir)
     except TargetError as e:
@@ -184,6 +236,8 @@ def validate(
     except ValueError as e:
         layer_ids = None
         checks.append(Check("layer_ids", False, str(e)))
+    checks.append(check_stages(pp, info.num_layers))
+    checks.append(check_nodes(tp, pp, nodes))
     checks.append(_check_tokenizer(target_dir))
     checks.append(_check_weights(target_dir))
     target_bytes = weight_bytes(info)
@@ -194,6 +248,8 @@ def validate(
             target_bytes,
             ext["cpu_kvcache_space_gib"],
             ext["gpu_memory_utilization"],
+            pp=pp,
+            nodes=nodes,
         )
     else:
         checks.append(
@@ -225,6 +281,8 @@ def validate(
         "output_bytes_estimate": out_bytes,
         "layer_ids": layer_ids,
         "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "nodes": nodes,
         "device": ext["device"],
     }
     return _report(checks, versions, extra)

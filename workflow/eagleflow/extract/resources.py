@@ -23,27 +23,53 @@ STARTUP_MINUTES = 2
 SIDECAR = re.compile(r"[0-9a-f]{20}\.json")
 
 
+def _workers(ext: dict) -> int:
+    """Engine workers, one device each: TP x PP."""
+    return int(ext["tensor_parallel_size"]) * int(ext.get("pipeline_parallel_size", 1))
+
+
+def extract_nodes(ext: dict) -> int:
+    """Nodes per extract job (`extract.nodes`; the engine spans them)."""
+    return int(ext.get("nodes", 1))
+
+
 def extract_gpus(ext: dict) -> int:
-    """GPUs per extract job: `gpus_per_job`, else the TP size on cuda and none on cpu."""
+    """GPUs per extract job on each of its nodes: `gpus_per_job`, else TP x PP / nodes on cuda
+    and none on cpu."""
     if ext.get("gpus_per_job") is not None:
         return int(ext["gpus_per_job"])
-    return int(ext["tensor_parallel_size"]) if ext["device"] == "cuda" else 0
+    return _workers(ext) // extract_nodes(ext) if ext["device"] == "cuda" else 0
+
+
+def extract_gpu_resource(ext: dict) -> int:
+    """The `gpu` resource (`--gpus`, GPUs of the whole job): one-node jobs only."""
+    return extract_gpus(ext) if extract_nodes(ext) == 1 else 0
+
+
+def extract_gres(ext: dict) -> str:
+    """The `gres` resource (`--gres=gpu:N`, N per node) of a multi-node job; SLURM's default of
+    one task per node then starts one task on each."""
+    gpus = extract_gpus(ext)
+    return f"gpu:{gpus}" if extract_nodes(ext) > 1 and gpus else ""
 
 
 def extract_cpus(ext: dict) -> int:
+    """CPUs per node of an extract job."""
     if ext.get("cpus_per_job") is not None:
         return int(ext["cpus_per_job"])
     gpus = extract_gpus(ext)
-    return CPUS_PER_GPU * gpus if gpus else int(ext["tensor_parallel_size"])
+    return CPUS_PER_GPU * gpus if gpus else _workers(ext) // extract_nodes(ext)
 
 
 def extract_mem_mb(ext: dict, weight_bytes: int) -> int:
+    """Host memory per node of an extract job (SLURM's --mem is per node)."""
     if ext.get("mem_mb_per_job") is not None:
         return int(ext["mem_mb_per_job"])
     if ext["device"] == "cuda":
         return MEM_MB_PER_GPU * max(1, extract_gpus(ext))
-    kv_mb = int(ext["tensor_parallel_size"]) * int(ext["cpu_kvcache_space_gib"]) * 1024
-    return math.ceil(weight_bytes / 2**20) + kv_mb + CPU_OVERHEAD_MB
+    nodes = extract_nodes(ext)
+    kv_mb = _workers(ext) // nodes * int(ext["cpu_kvcache_space_gib"]) * 1024
+    return math.ceil(weight_bytes / nodes / 2**20) + kv_mb + CPU_OVERHEAD_MB
 
 
 def shard_tokens(tokens_path: str | Path) -> int:

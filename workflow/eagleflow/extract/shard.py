@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.capture.connector import run_connector_chunks, strategy_engine_kwargs
-from eagleflow.capture.plan import CapturePlan, Strategy
+from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
 from eagleflow.data.shards import read_token_shard
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
@@ -35,6 +35,7 @@ from eagleflow.store.headers import read_header
 from eagleflow.store.quant import SCALES_KEY, is_fp8, stored_storage_dtype
 from eagleflow.store.stream import StreamingWriter
 from eagleflow.store.verify import Expected, verify_extracted_shard
+from eagleflow.target.info import read_target
 from eagleflow.target.layers import CONVENTION
 
 CAPTURE_WORKER = "eagleflow.capture.worker.CaptureExtension"
@@ -92,6 +93,19 @@ def shard_lock(partial_dir: Path, shard_id: str):
         os.close(fd)
 
 
+def shard_chunks(shard, plan: CapturePlan, out_path: Path, chunk_tokens: int) -> ShardChunks:
+    """The chunks of `shard` for `plan`: one file per chunk, or one per capturing pipeline
+    stage (eagleflow.store.chunks)."""
+    stages = tuple(s.rank for s in plan.capturing_stages)
+    return ShardChunks.plan(shard, plan.fingerprint, out_path, chunk_tokens, stages)
+
+
+def chunk_paths(chunks: ShardChunks, plan: CapturePlan, i: int) -> dict:
+    """Chunk `i`'s file per capturing pipeline rank (as strings, for the workers)."""
+    ranks = [s.rank for s in plan.capturing_stages] or [0]
+    return {str(r): str(chunks.path(i, r)) for r in ranks}
+
+
 def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_dir: Path):
     """An engine with the capture hooks installed for `plan`."""
     # Every prompt token must run through the model: cached prefixes would skip rows.
@@ -99,7 +113,14 @@ def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_di
         plan, partial_dir / "connector"
     )
     llm = build_engine(settings, worker_extension=CAPTURE_WORKER, **kwargs)
-    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
+    installed = llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
+    if plan.pipeline_parallel_size > 1:
+        for w in installed:
+            if w["rank0"]:
+                print(
+                    f"pipeline stage {w['pp_rank']}: layers {w['layers'][0]}.."
+                    f"{w['layers'][1] - 1}, captures ids {w['layer_ids']}"
+                )
     return llm
 
 
@@ -123,7 +144,8 @@ def extract_shard(
     most the chunk in flight (a kill during verification re-assembles without loading the
     model). A shard that fails verification goes to quarantine with its chunks (ShardInvalid)."""
     shard = read_token_shard(tokens_path)
-    chunks = ShardChunks.plan(shard, plan.fingerprint, outputs.hidden, chunk_tokens)
+    plan = plan_for_pipeline(plan, read_target(settings.target), settings.pipeline_parallel_size)
+    chunks = shard_chunks(shard, plan, outputs.hidden, chunk_tokens)
     timings = Timings()
     t_start = time.perf_counter()
     with shard_lock(chunks.partial_dir, shard.shard_id):
@@ -234,7 +256,7 @@ def run_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, tim
                             request_ids,
                             np.diff(shard.offsets[a : b + 1]).tolist(),
                             shard.input_ids[lo:hi].astype(np.int64).tobytes(),
-                            str(chunks.path(i)),
+                            chunk_paths(chunks, plan, i),
                             chunks.metadata(i),
                         ),
                     )
@@ -252,24 +274,52 @@ def run_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, tim
     return done
 
 
-def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
-    """Stream the committed chunks into one safetensors file (hashed while written)."""
+def read_chunk(
+    chunks: ShardChunks, plan: CapturePlan, i: int, key: str = "hidden_states"
+) -> torch.Tensor:
+    """Chunk `i`'s tensor `key` (states [tokens, n_ids, hidden] or, in fp8, scales
+    [tokens, n_ids]) in the plan's layer-id order: its stage files concatenated in stage order,
+    each file's ids, input ids and storage dtype checked."""
     shard = chunks.shard
-    n_tok = len(shard.input_ids)
+    lo, hi = chunks.token_range(i)
+    want = torch.from_numpy(shard.input_ids[lo:hi])
     fp8 = is_fp8(plan.storage_dtype)
-    header, _ = read_header(chunks.path(0))
-    hs = header["hidden_states"]
-    dtype = torch_dtype(hs["dtype"])
-    n_layers, hidden = hs["shape"][1], hs["shape"][2]
-    for i in range(len(chunks.ranges)):
-        h, _ = read_header(chunks.path(i)) if i else (header, None)
-        found = stored_storage_dtype(h)
-        if found != plan.storage_dtype or fp8 != (SCALES_KEY in h):
+    parts, ids = [], []
+    for path in chunks.paths(i):
+        h, _ = read_header(path)
+        if stored_storage_dtype(h) != plan.storage_dtype or fp8 != (SCALES_KEY in h):
             raise RuntimeError(
-                f"chunk {i} of shard {shard.shard_id} ({chunks.path(i)}): hidden_states "
+                f"chunk {i} of shard {shard.shard_id} ({path}): hidden_states "
                 f"{h['hidden_states']['dtype']}{' with' if SCALES_KEY in h else ' without'} "
                 f"{SCALES_KEY}, the plan stores {plan.storage_dtype}"
             )
+        with safe_open(str(path), framework="pt") as f:
+            if not torch.equal(f.get_tensor("input_ids"), want):
+                raise RuntimeError(
+                    f"chunk {i} of shard {shard.shard_id} ({path.name}): "
+                    "input_ids differ from the shard's tokens"
+                )
+            meta = f.metadata() or {}
+            parts.append(f.get_tensor(key))
+            ids += json.loads(meta.get("layer_ids", "null")) or plan.layer_ids
+    if ids != list(plan.layer_ids):
+        raise RuntimeError(
+            f"chunk {i} of shard {shard.shard_id}: its files hold layer ids {ids}, the plan "
+            f"captures {plan.layer_ids}"
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
+    """Stream the committed chunks into one safetensors file (hashed while written); the
+    layout is the same whatever the pipeline layout that wrote the chunks."""
+    shard = chunks.shard
+    n_tok = len(shard.input_ids)
+    fp8 = is_fp8(plan.storage_dtype)
+    header, _ = read_header(chunks.paths(0)[0])
+    hs = header["hidden_states"]
+    dtype = torch_dtype(hs["dtype"])
+    n_layers, hidden = len(plan.layer_ids), hs["shape"][2]
     metadata = {
         "layer_ids": json.dumps(plan.layer_ids),
         "layer_id_convention": CONVENTION,
@@ -292,20 +342,10 @@ def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
     writer = StreamingWriter(out_path, layout, metadata)
     try:
         for i in range(len(chunks.ranges)):
-            with safe_open(str(chunks.path(i)), framework="pt") as f:
-                ids = f.get_tensor("input_ids")
-                lo, hi = chunks.token_range(i)
-                want = torch.from_numpy(shard.input_ids[lo:hi])
-                if not torch.equal(ids, want):
-                    raise RuntimeError(
-                        f"chunk {i} of shard {shard.shard_id}: "
-                        "input_ids differ from the shard's tokens"
-                    )
-                writer.write("hidden_states", f.get_tensor("hidden_states"))
+            writer.write("hidden_states", read_chunk(chunks, plan, i))
         if fp8:  # the scales follow all the states in the file: a second, small pass
             for i in range(len(chunks.ranges)):
-                with safe_open(str(chunks.path(i)), framework="pt") as f:
-                    writer.write(SCALES_KEY, f.get_tensor(SCALES_KEY))
+                writer.write(SCALES_KEY, read_chunk(chunks, plan, i, SCALES_KEY))
         writer.write("input_ids", torch.from_numpy(shard.input_ids))
         writer.write("loss_mask", torch.from_numpy(shard.loss_mask))
         writer.write("offsets", torch.from_numpy(shard.offsets))

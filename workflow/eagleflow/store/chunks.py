@@ -4,6 +4,12 @@ Work inside a shard is committed in chunks (`.partial/<shard>/chunk-NNNNN.safete
 written to a temporary name and renamed), so a killed job resumes after its last committed
 chunk. A chunk file holds `hidden_states` [tokens, n_layers, hidden] and `input_ids` [tokens],
 and its metadata names the fingerprint, shard and sample range it belongs to.
+
+With pipeline parallelism each stage that owns layer ids writes its own file per chunk,
+`chunk-NNNNN.stage-S.safetensors`, holding its ids only (metadata `layer_ids`); a chunk is
+committed when every such file is. Assembly concatenates a chunk's stage files in stage order,
+which is layer-id order (stages own consecutive layers), so a shard is the same whatever the
+parallelism. With one capturing stage the file is `chunk-NNNNN.safetensors`, as without PP.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ def chunk_ranges(offsets: np.ndarray, chunk_tokens: int) -> list[tuple[int, int]
     return ranges
 
 
-def chunk_path(partial_dir: Path, i: int) -> Path:
-    return Path(partial_dir) / f"chunk-{i:05d}.safetensors"
+def chunk_path(partial_dir: Path, i: int, stage: int | None = None) -> Path:
+    name = f"chunk-{i:05d}" + ("" if stage is None else f".stage-{stage}")
+    return Path(partial_dir) / f"{name}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -44,15 +51,32 @@ class ShardChunks:
     fingerprint: str
     partial_dir: Path
     ranges: list[tuple[int, int]]
+    # Pipeline ranks that write files of their own, when more than one stage captures ids.
+    stages: tuple[int, ...] = ()
 
     @classmethod
-    def plan(cls, shard: TokenShard, fingerprint: str, out_path: Path, chunk_tokens: int):
-        """The chunks of `shard` whose finished file will be `out_path`."""
+    def plan(
+        cls,
+        shard: TokenShard,
+        fingerprint: str,
+        out_path: Path,
+        chunk_tokens: int,
+        stages: tuple[int, ...] = (),
+    ):
+        """The chunks of `shard` whose finished file will be `out_path`; `stages`: the pipeline
+        ranks that capture ids (one file each per chunk when there are several)."""
         partial_dir = Path(out_path).parent / ".partial" / shard.shard_id
-        return cls(shard, fingerprint, partial_dir, chunk_ranges(shard.offsets, chunk_tokens))
+        stages = tuple(stages) if len(stages) > 1 else ()
+        ranges = chunk_ranges(shard.offsets, chunk_tokens)
+        return cls(shard, fingerprint, partial_dir, ranges, stages)
 
-    def path(self, i: int) -> Path:
-        return chunk_path(self.partial_dir, i)
+    def path(self, i: int, stage: int | None = None) -> Path:
+        """Chunk `i`'s file; with several capturing stages, stage `stage`'s file."""
+        return chunk_path(self.partial_dir, i, stage if self.stages else None)
+
+    def paths(self, i: int) -> list[Path]:
+        """Every file of chunk `i`, in stage (= layer-id) order."""
+        return [self.path(i, s) for s in self.stages] if self.stages else [self.path(i)]
 
     def token_range(self, i: int) -> tuple[int, int]:
         a, b = self.ranges[i]
@@ -72,8 +96,11 @@ class ShardChunks:
         }
 
     def committed(self, i: int) -> bool:
-        """Cheap check of a committed chunk: header readable, size complete, identity matches."""
-        path = self.path(i)
+        """Cheap check of a committed chunk: every file's header readable, size complete,
+        identity matches."""
+        return all(self._committed_file(path, i) for path in self.paths(i))
+
+    def _committed_file(self, path: Path, i: int) -> bool:
         try:
             header, data_start = read_header(path)
             meta = header.get("__metadata__", {})

@@ -1,0 +1,132 @@
+"""Pipeline-parallel capture (PP=2) against one stage (PP=1) on real vLLM (CPU), and against the
+float32 transformers reference: every layer id, including the first layer of the second stage
+and the final pre-norm state L, and the tokens.
+
+The embedded default target has 8 layers and captures ids [2, 4, 5, 8]; vLLM 0.32 splits it
+into layers 0..3 and 4..7, so stage 0 captures id 2 and stage 1 ids 4 (its first layer), 5, 8.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_reference import (
+    Engines,
+    assert_matches_reference,
+    assert_same_states,
+    build,
+    rel_err,
+)
+
+from eagleflow.capture.plan import CapturePlan, make_plan
+from eagleflow.capture.reference import load_reference_model
+from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.shard import Timings, assemble_shard, run_chunks, shard_chunks
+from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.fixtures.tiny_target import build_tiny_target
+from eagleflow.target.layers import default_layer_ids
+from support.workflow_runner import SMALL, hidden_dir, merged, snakemake
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    rows = generate_conversations(600, seed=3)
+    corpus = [m["content"] for r in rows for m in r["messages"]]
+    return build(build_tiny_target, corpus, tmp_path_factory.mktemp("deepseek"))
+
+
+def capture(llm, shard, plan, workdir, chunk_tokens=400):
+    """The code path of `extract_shard` after the engine start, returning the assembled states
+    and the shard file's input ids."""
+    out = workdir / f"{shard.shard_id}.safetensors"
+    chunks = shard_chunks(shard, plan, out, chunk_tokens)
+    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
+    try:
+        assert len(chunks.ranges) >= 3
+        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, Timings())
+        files = sorted(p.name for p in chunks.partial_dir.glob("chunk-*.safetensors"))
+        assemble_shard(chunks, plan, out)
+    finally:
+        llm.collective_rpc("eagleflow_uninstall")
+    with safe_open(str(out), framework="pt") as f:
+        return f.get_tensor("hidden_states"), f.get_tensor("input_ids"), files
+
+
+def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(deepseek, tmp_path):
+    info, shard = deepseek.info, deepseek.shard
+    ids = default_layer_ids(info.num_layers)
+    plans = {
+        pp: replace(make_plan(info, ids, "auto", pipeline_parallel_size=pp), fingerprint="test")
+        for pp in (1, 2)
+    }
+    stages = plans[2].stages
+    assert [(s.start_layer, s.end_layer, s.layer_ids) for s in stages] == [
+        (0, 4, (2,)),
+        (4, 8, (4, 5, 8)),
+    ]
+    # vLLM 0.32's stages before the last drop the model's own aux states.
+    assert plans[1].strategy == "aux_layers" and plans[2].strategy == "patched_forward"
+    engines = Engines()
+    got = {}
+    try:
+        for pp in (1, 2):
+            settings = EngineSettings(
+                target=str(deepseek.path),
+                pipeline_parallel_size=pp,
+                max_model_len=600,
+                max_num_batched_tokens=2048,
+            )
+            llm = engines.get(f"pp{pp}", settings)
+            got[pp] = capture(llm, shard, plans[pp], tmp_path / f"pp{pp}")
+    finally:
+        engines.close()
+    (s1, t1, f1), (s2, t2, f2) = got[1], got[2]
+    # One file per chunk and stage, each stage holding its own ids.
+    assert f1 == [f"chunk-{i:05d}.safetensors" for i in range(len(f1))]
+    assert f2 == sorted(
+        f"chunk-{i:05d}.stage-{s}.safetensors" for i in range(len(f1)) for s in (0, 1)
+    )
+    assert torch.equal(t1, t2) and torch.equal(t2, torch.from_numpy(shard.input_ids))
+    assert s1.shape == s2.shape == (len(shard.input_ids), len(ids), info.hidden_size)
+    for j, k in enumerate(ids):
+        rel = rel_err(s2[:, j : j + 1], s1[:, j : j + 1])
+        print(
+            f"PP=2 vs PP=1, id {k}: max abs diff {float((s2[:, j] - s1[:, j]).abs().max()):.4f}, "
+            f"median rel {float(rel.median()):.5f}, p99 rel {float(rel.quantile(0.99)):.4f}"
+        )
+        assert_same_states(s2[:, j : j + 1], s1[:, j : j + 1], f"PP=2 vs PP=1, id {k}")
+    assert_matches_reference(load_reference_model(deepseek.path), s2, shard, ids)
+
+
+def test_snakemake_extract_at_pp2_gives_the_shards_of_pp1(extracted_workdir, tmp_path):
+    """`snakemake extract` with extract.pipeline_parallel_size: 2 on the embedded default: the
+    same fingerprint, shard files, layer ids and tokens as the shared PP=1 run, states within
+    the engine's bf16 run-to-run noise."""
+    config = merged(SMALL, {"extract": {"pipeline_parallel_size": 2}})
+    snakemake(tmp_path, "extract", config=config)
+    one, two = hidden_dir(extracted_workdir), hidden_dir(tmp_path)
+    assert one.name == two.name  # the fingerprint does not depend on the layout
+    names = sorted(p.name for p in one.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in two.glob("*.safetensors"))
+    plan = CapturePlan.load(two / "capture_plan.json")
+    assert plan.pipeline_parallel_size == 2 and plan.strategy == "patched_forward"
+    for name in names:
+        with (
+            safe_open(str(one / name), framework="pt") as a,
+            safe_open(str(two / name), framework="pt") as b,
+        ):
+            ma, mb = a.metadata(), b.metadata()
+            for key in ("layer_ids", "layer_id_convention", "sample_ids", "fingerprint"):
+                assert ma[key] == mb[key], key
+            for key in ("input_ids", "loss_mask", "offsets"):
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+            s1, s2 = a.get_tensor("hidden_states"), b.get_tensor("hidden_states")
+        for j, k in enumerate(json.loads(ma["layer_ids"])):
+            assert_same_states(s2[:, j : j + 1], s1[:, j : j + 1], f"{name} id {k}")
+    log = next((tmp_path / "results" / "logs" / "extract" / two.name).glob("*.log")).read_text()
+    assert "pipeline stage 1: layers 4..7, captures ids [4, 5, 8]" in log
