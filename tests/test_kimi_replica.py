@@ -168,3 +168,18 @@ def test_the_wrapped_layout_names_and_loads_the_text_model(kimi, kimi_text):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         assert torch.equal(wrapped(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+def test_the_workflow_refuses_shipped_code_before_the_dag(kimi, tmp_path, embedded):
+    """`target.trust_remote_code` off: one sentence naming the key, before any job runs (the
+    embedded replica is refused before it is even built)."""
+    from support.workflow_runner import snakemake
+
+    path = "resources/targets/tiny-kimi-k25" if embedded else str(kimi)
+    cfg = {"target": {"path": path, "trust_remote_code": False}}
+    proc = snakemake(tmp_path, "-n", config=cfg, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "set `target.trust_remote_code: true`" in out, out[-2000:]
+    assert not (tmp_path / "resources").exists()
