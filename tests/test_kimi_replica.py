@@ -183,3 +183,19 @@ def test_the_workflow_refuses_shipped_code_before_the_dag(kimi, tmp_path, embedd
     assert proc.returncode != 0
     assert "set `target.trust_remote_code: true`" in out, out[-2000:]
     assert not (tmp_path / "resources").exists()
+
+
+def test_int4_packing_is_compressed_tensors_pack_quantized():
+    """The probe's int4 experts (docs/support-matrix.md): eight 4-bit values per int32, lowest
+    bits first, offset by 8; one scale per 32 inputs; dequantized within half a step."""
+    import torch
+
+    w = torch.randn(64, 128)
+    packed, scale, shape = tiny_kimi.pack_int4(w)
+    assert packed.dtype == torch.int32 and packed.shape == (64, 16)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (64, 4)
+    assert shape.tolist() == [64, 128]
+    q = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], -1).reshape(64, 128) - 8
+    deq = (q.reshape(64, 4, 32).float() * scale.float()[..., None]).reshape(64, 128)
+    step = scale.float().repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= 0.5 * step + 1e-2 * w.abs()).all()
