@@ -49,9 +49,29 @@ KIMI_K25 = {
     "text_config": {
         **{k: v for k, v in KIMI_K2.items() if k != "architectures"},
         "model_type": "kimi_k2",
+        # As published: int4 routed experts (groups of 32, one bf16 scale each, symmetric);
+        # the head, attention, shared experts and the dense first layer's MLP stay bf16.
         "quantization_config": {
             "quant_method": "compressed-tensors",
-            "config_groups": {"g0": {"weights": {"num_bits": 4}}},
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "group_size": 32,
+                        "strategy": "group",
+                        "symmetric": True,
+                        "type": "int",
+                    },
+                }
+            },
+            "ignore": [
+                "lm_head",
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            ],
         },
     },
 }
@@ -74,8 +94,27 @@ def test_kimi_k25_text_model_is_found_under_its_wrapper(tmp_path):
     assert info.architecture == "DeepseekV3ForCausalLM" and info.is_mla
     assert (info.num_layers, info.hidden_size) == (61, 7168)
     assert resolve_layer_ids(None, "vllm", info.num_layers) == [2, 30, 58, 61]
-    assert bytes_per_weight(info.text_config) == 0.5
+    assert bytes_per_weight(info.text_config) == 0.5 + 2 / 32  # int4 + a bf16 scale per 32
     assert bytes_per_weight(DEEPSEEK_V3) == 1.0
+
+
+def test_kimi_k25_weight_estimate_matches_the_published_checkpoint(tmp_path):
+    """The real Kimi-K2.5 checkpoint is about 595 GB: 1.015T routed-expert weights in int4 with a
+    bf16 scale per 32 (0.5625 bytes each) and 11.7B weights in bf16 (attention, shared experts,
+    dense MLP, embeddings, head, router), plus a bf16 vision tower of about 0.4B that eagleflow
+    does not load (`language_model_only`)."""
+    from eagleflow.target.info import weight_bytes
+
+    info = target(tmp_path, KIMI_K25)
+    routed = 60 * 384 * 3 * 7168 * 2048
+    assert routed / 1e12 == pytest.approx(1.0147, rel=1e-4)
+    estimate = weight_bytes(info)
+    assert estimate == pytest.approx(routed * 0.5625 + (1026.408e9 - routed) * 2, rel=1e-5)
+    assert estimate / 1e9 == pytest.approx(595, rel=0.02)  # within 2% of the hub's size
+    # The ignore list matters: quantizing every Linear (the head included) would claim 578 GB.
+    unquantized_rules = json.loads(json.dumps(KIMI_K25))
+    del unquantized_rules["text_config"]["quantization_config"]["ignore"]
+    assert weight_bytes(target(tmp_path, unquantized_rules)) / 1e9 == pytest.approx(578.3, rel=2e-3)
 
 
 def test_missing_or_broken_config_is_named(tmp_path):
@@ -143,7 +182,7 @@ def test_kimi_k25_validates_before_any_load(tmp_path, tokenizer_dir):
         "(text model of KimiK25ForConditionalGeneration)"
     )
     assert report["layer_ids"] == [2, 30, 58, 61] and checks["layer_ids"]["ok"]
-    assert report["weight_bytes_estimate"] == pytest.approx(1026.4e9 / 2, rel=2e-3)  # int4
+    assert report["weight_bytes_estimate"] == pytest.approx(594.2e9, rel=1e-3)
     assert not ok and any(
         "tensor_parallel_size=8 needs 8 CUDA devices" in c["detail"] for c in report["checks"]
     )

@@ -24,6 +24,12 @@ from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.info import TOKENIZER_FILES, read_target
 from eagleflow.fixtures.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
+from eagleflow.fixtures.tiny_kimi import (
+    TINY_KIMI_FILES,
+    TOKENIZER_FILES as KIMI_TOKENIZER_FILES,
+)
+from eagleflow.target.info import TargetError
+from eagleflow.target.load import check_remote_code
 
 validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 
@@ -33,7 +39,20 @@ TINY_TARGET = "resources/targets/tiny-deepseek-v3"
 # The embedded tiny target briefly trained on the bundled corpus (target_training.smk), built
 # from the untrained fixture; config/config.yaml points `target.path` here.
 TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
-EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET)
+# A tiny replica of Kimi-K2.5's published layout (fixtures.smk, rule tiny_kimi_k25); it ships
+# its tokenizer as code.
+TINY_KIMI_TARGET = "resources/targets/tiny-kimi-k25"
+EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET, TINY_KIMI_TARGET)
+EMBEDDED_FILES = {
+    TINY_TARGET: TINY_TARGET_FILES,
+    TRAINED_TINY_TARGET: TINY_TARGET_FILES,
+    TINY_KIMI_TARGET: TINY_KIMI_FILES,
+}
+EMBEDDED_TOKENIZER_FILES = {
+    TINY_TARGET: TINY_TOKENIZER_FILES,
+    TRAINED_TINY_TARGET: TINY_TOKENIZER_FILES,
+    TINY_KIMI_TARGET: KIMI_TOKENIZER_FILES,
+}
 BUNDLED_DATA = "resources/data/bundled-chat.jsonl"
 HIDDEN = f"{R}/hidden/{{fp}}"
 CONDA_ENV = "../../envs/vllm-cuda.yaml"
@@ -60,6 +79,23 @@ def check_target_path(path):
 check_target_path(TARGET)
 
 
+def check_target_code(path, trust):
+    """A target that ships code (Kimi's tokenizer) is refused, in one sentence naming
+    `target.trust_remote_code`, before anything loads it."""
+    if path == TINY_KIMI_TARGET and not trust:
+        raise WorkflowError(
+            f"{path} ships its tokenizer as code; set `target.trust_remote_code: true` to allow it"
+        )
+    if os.path.isdir(path):
+        try:
+            check_remote_code(path, trust)
+        except TargetError as e:
+            raise WorkflowError(str(e))
+
+
+check_target_code(TARGET, config["target"]["trust_remote_code"])
+
+
 wildcard_constraints:
     fp="[0-9a-f]{16}",
     shard="[0-9a-f]{20}",
@@ -67,8 +103,8 @@ wildcard_constraints:
 
 def tokenizer_files(wildcards=None):
     """The target's tokenizer and chat template files (the embedded target's are built here)."""
-    if TARGET == TINY_TARGET:
-        return [f"{TINY_TARGET}/{name}" for name in TINY_TOKENIZER_FILES]
+    if TARGET in (TINY_TARGET, TINY_KIMI_TARGET):
+        return [f"{TARGET}/{name}" for name in EMBEDDED_TOKENIZER_FILES[TARGET]]
     return [str(p) for p in sorted(Path(TARGET).iterdir()) if p.name in TOKENIZER_FILES]
 
 

@@ -10,7 +10,7 @@ SHARD_DATA = REGENERATED_DATA if REGENERATE["enabled"] else config["data"]["path
 def target_tokenizer_files(wildcards=None):
     """The target's tokenizer and chat template files; the embedded targets' are built here."""
     if TARGET in EMBEDDED_TARGETS:
-        return [f"{TARGET}/{name}" for name in TINY_TOKENIZER_FILES]
+        return [f"{TARGET}/{name}" for name in EMBEDDED_TOKENIZER_FILES[TARGET]]
     return tokenizer_files(wildcards)
 
 
@@ -18,7 +18,7 @@ def target_files(wildcards=None):
     """What a job that loads the target needs: config, tokenizer (and, for the embedded
     targets, which the workflow builds, the weights)."""
     if TARGET in EMBEDDED_TARGETS:
-        return [f"{TARGET}/{name}" for name in TINY_TARGET_FILES]
+        return [f"{TARGET}/{name}" for name in EMBEDDED_FILES[TARGET]]
     return [f"{TARGET}/config.json", *tokenizer_files(wildcards)]
 
 

@@ -39,3 +39,28 @@ rule tiny_target:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     script:
         "../scripts/tiny_target.py"
+
+
+# A tiny replica of Kimi-K2.5's published layout (eagleflow.fixtures.tiny_kimi): wrapper
+# config, hub tensor names, tiktoken tokenizer shipped as code, Kimi's chat template; built,
+# trained on the bundled corpus as the embedded target is, and wrapped, in one job.
+rule tiny_kimi_k25:
+    input:
+        data=BUNDLED_DATA,
+    output:
+        [f"{TINY_KIMI_TARGET}/{name}" for name in TINY_KIMI_FILES],
+        summary=f"{TINY_KIMI_TARGET}/train_summary.json",
+    log:
+        f"{R}/logs/tiny_kimi_k25.log",
+    benchmark:
+        f"{R}/benchmarks/tiny_kimi_k25.tsv"
+    conda:
+        CONDA_ENV
+    threads: all_cores_or(8)
+    params:
+        seed=config["target"]["tiny_seed"],
+        out_dir=TINY_KIMI_TARGET,
+        cfg=config["target_training"],
+        heldout_modulus=config["data"]["heldout_modulus"],
+    script:
+        "../scripts/tiny_kimi_k25.py"

@@ -45,11 +45,9 @@ class LayerStats:
 
 
 def load_reference_model(target_dir, device="cpu", dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    from eagleflow.target.load import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device)
-    model.eval()
-    return model
+    return load_causal_lm(target_dir, dtype).to(device)
 
 
 def decoder_layers(model):

@@ -162,7 +162,7 @@ def regenerate_dataset(
     """Read `dataset_path` (complete or prompt-only rows), answer every user turn with the
     target through vLLM, write the completed conversations as JSONL (`id`, `messages`) to
     `out_path` and bad rows to `rejects_path`. `generate` replaces vLLM (tests)."""
-    from transformers import AutoTokenizer
+    from eagleflow.target.load import load_tokenizer
 
     t0 = time.time()
     conversations, bad = read_conversations(dataset_path, require_assistant=False)
@@ -170,7 +170,7 @@ def regenerate_dataset(
         raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
     if not conversations:
         raise DatasetError(f"{dataset_path}: no usable conversations")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = load_tokenizer(target_dir)
     finished = None
     if generate is None:
         settings = engine or EngineSettings(

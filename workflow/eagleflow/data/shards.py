@@ -131,12 +131,11 @@ def shard_dataset(
     log=print,
 ) -> dict:
     """Read, template, mask, truncate and shard a dataset; write token shards, manifest, rejects."""
-    from transformers import AutoTokenizer
-
     from eagleflow.data.conversations import BadRow, DatasetError, read_conversations
     from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
+    from eagleflow.target.load import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
     conversations, bad = read_conversations(dataset_path)
     kept, tokenized = [], []
     for conv in conversations:

@@ -41,9 +41,9 @@ def load_prompts(
 ) -> list[dict]:
     """Held-out prompts (`eagleflow.data.heldout`), chat template + generation prompt, as token
     ids."""
-    from transformers import AutoTokenizer
+    from eagleflow.target.load import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
     conversations, _ = read_conversations(dataset, require_assistant=False)  # prompt-only rows too
     out = []
     for p in heldout_prompts(conversations, modulus, limit):
@@ -75,9 +75,9 @@ class HFTarget:
     """transformers' target: greedy next tokens and the aux states at every position."""
 
     def __init__(self, target_dir, aux_ids, dtype=torch.float32):
-        from transformers import AutoModelForCausalLM
+        from eagleflow.target.load import load_causal_lm
 
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+        self.model = load_causal_lm(target_dir, dtype)
         self.aux_ids = list(aux_ids)
 
     @torch.no_grad()
@@ -179,12 +179,12 @@ def load_export(export_dir):
 
 
 def run_reference(target_dir, export_dir, prompts, k: int = 3, max_tokens: int = 32) -> dict:
-    from transformers import AutoTokenizer
+    from eagleflow.target.load import load_tokenizer
 
     t0 = time.time()
     draft, cfg = load_export(export_dir)
     target = HFTarget(target_dir, cfg["eagle_aux_hidden_state_layer_ids"])
-    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok = load_tokenizer(target_dir)
     result = reference_acceptance(target, draft, prompts, k, max_tokens, tok.eos_token_id)
     result["texts"] = [tok.decode(o, skip_special_tokens=True) for o in result["output_token_ids"]]
     result["seconds"] = round(time.time() - t0, 1)

@@ -48,7 +48,12 @@ def build_engine(
         enforce_eager=eager,
         worker_extension_cls=worker_extension,
         seed=0,
+        trust_remote_code=settings.trust_remote_code,
     )
+    if settings.multimodal_wrapper:
+        # Text only: vLLM builds neither the vision tower nor the projector, and expects
+        # none of their weights (field notes, section 15).
+        kwargs["language_model_only"] = True
     if settings.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max(
             settings.max_num_batched_tokens, settings.max_model_len

@@ -28,6 +28,8 @@ class EngineSettings:
     # False: VLLM_MLA_DISABLE=1, the DeepSeek attention as plain attention over the same
     # weights (regeneration and evaluation on CPU; see the config schema).
     mla: bool = True
+    # `target.trust_remote_code`: run code shipped in the target directory (Kimi's tokenizer).
+    trust_remote_code: bool = False
 
     @classmethod
     def from_config(cls, config: dict, job: str = "extract") -> EngineSettings:
@@ -45,6 +47,7 @@ class EngineSettings:
             gpu_memory_utilization=ext["gpu_memory_utilization"],
             cpu_kvcache_space_gib=ext["cpu_kvcache_space_gib"],
             cpu_threads_bind=ext["cpu_threads_bind"],
+            trust_remote_code=config["target"].get("trust_remote_code", False),
         )
         if job == "extract":
             return replace(
@@ -82,7 +85,21 @@ class EngineSettings:
         loaded module for Triton kernels and fails on llvmlite's `_lib_fn_wrapper` objects
         ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"); a spawned engine
         core starts from a clean interpreter."""
-        return self.world_size == 1 and "llvmlite" not in sys.modules
+        return (
+            self.world_size == 1 and "llvmlite" not in sys.modules and not self.multimodal_wrapper
+        )
+
+    @property
+    def multimodal_wrapper(self) -> bool:
+        """The target is a multimodal wrapper (Kimi-K2.5): eagleflow serves its text model
+        alone (`language_model_only`). vLLM still builds the wrapper's image processor, which
+        loads numba (llvmlite) into the engine's process: see `single_process`."""
+        from eagleflow.target.info import WRAPPERS, TargetError, read_target
+
+        try:
+            return read_target(self.target).wrapper in WRAPPERS
+        except TargetError:
+            return False
 
 
 def cpu_threads_bind(workers: int, configured: str | None) -> str:

@@ -4,7 +4,8 @@ Output paths are content-addressed by it (`<results>/hidden/<fingerprint>/<shard
 so a configuration change writes a new directory and leaves the old one intact, and returning
 to an earlier configuration finds its outputs again.
 
-Covered: the target's identity (config.json, tokenizer files, weight index, and for each
+Covered: the target's identity (config.json, tokenizer files, the code files it ships
+(`remote_code_files`: Kimi's tokenizer is code), weight index, and for each
 weight file its name, size and a signature of its first and last 64 KiB: safetensors files
 begin with a header of every tensor's name, dtype, shape and offsets; or a pinned revision),
 layer ids and their convention, max length, dtype, capture strategy (as configured), the
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from eagleflow.store.quant import DEFAULT_STORAGE, check_storage_dtype
 from eagleflow.target.info import TOKENIZER_FILES
+from eagleflow.target.load import remote_code_files
 
 # Bump when the extraction code changes what is written (layout, capture semantics).
 EXTRACTION_CODE_VERSION = (
@@ -53,6 +55,12 @@ def target_identity(target_dir: str | Path, revision: str | None = None) -> dict
     ident["tokenizer"] = {
         n: _sha256((d / n).read_bytes()) for n in TOKENIZER_FILES if (d / n).is_file()
     }
+    code = remote_code_files(d)
+    if code:  # code shipped in the directory (Kimi's tokenizer) makes tokens too
+        ident["code"] = {p.name: _sha256(p.read_bytes()) for p in code}
+    preprocessor = d / "preprocessor_config.json"
+    if preprocessor.is_file():
+        ident["preprocessor_config.json"] = _sha256(preprocessor.read_bytes())
     if revision:
         ident["weights"] = {"revision": revision}
         return ident

@@ -238,7 +238,13 @@ def validate(
         checks.append(Check("layer_ids", False, str(e)))
     checks.append(check_stages(pp, info.num_layers))
     checks.append(check_nodes(tp, pp, nodes))
-    checks.append(_check_tokenizer(target_dir))
+    remote = _check_remote_code(target_dir, config["target"].get("trust_remote_code", False))
+    checks.append(remote)
+    checks.append(
+        _check_tokenizer(target_dir)
+        if remote.ok
+        else Check("tokenizer", False, "not loaded: its code may not run (remote_code above)")
+    )
     checks.append(_check_weights(target_dir))
     target_bytes = weight_bytes(info)
     if device_checks:
@@ -288,11 +294,29 @@ def validate(
     return _report(checks, versions, extra)
 
 
+def _check_remote_code(target_dir, trust: bool) -> Check:
+    """Which code files of the target directory will run (before anything loads them)."""
+    from eagleflow.target.load import check_remote_code, remote_code_files
+
+    try:
+        check_remote_code(target_dir, trust)
+    except TargetError as e:
+        return Check("remote_code", False, str(e))
+    files = remote_code_files(target_dir)
+    return Check(
+        "remote_code",
+        True,
+        f"will run {', '.join(str(f) for f in files)} (target.trust_remote_code)"
+        if files
+        else "none: the target ships no code",
+    )
+
+
 def _check_tokenizer(target_dir) -> Check:
     try:
-        from transformers import AutoTokenizer
+        from eagleflow.target.load import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(target_dir)
+        tok = load_tokenizer(target_dir)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported as such
         return Check(
             "tokenizer",

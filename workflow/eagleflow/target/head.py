@@ -37,9 +37,17 @@ def _weight_file(target_dir: Path, name: str) -> Path:
     return single
 
 
+def _stored_name(target_dir: Path, name: str) -> str:
+    """A multimodal wrapper (Kimi-K2.5) stores its text model under `language_model.`."""
+    from eagleflow.target.info import read_target
+
+    return f"language_model.{name}" if read_target(target_dir).wrapper else name
+
+
 def read_target_tensor(target_dir, name: str) -> torch.Tensor:
-    """One tensor from the target's weights, nothing else."""
+    """One tensor of the target's text model (named as in a plain causal LM), nothing else."""
     target_dir = Path(target_dir)
+    name = _stored_name(target_dir, name)
     path = _weight_file(target_dir, name)
     with safe_open(str(path), framework="pt") as f:
         if name not in f.keys():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,62 +94,122 @@ def _arch_from_model_type(text: dict, cfg_file: Path) -> str:
     return by_type[model_type]
 
 
-def count_parameters(info: TargetInfo) -> int:
-    """Parameter count from the config alone (embeddings, attention, MLP/MoE, norms, head)."""
-    c, H = info.text_config, info.hidden_size
+def parameter_groups(info: TargetInfo) -> list[tuple[str, int, bool]]:
+    """The text model's parameters from its config alone, as (a module name standing for the
+    group, count over all layers, whether it is a Linear weight): embeddings, attention,
+    MLP/MoE (routed experts, shared experts, router), norms, head. Names as in the text model
+    (`model.layers.1.mlp.experts.0.gate_proj`), so quantization ignore lists can be applied."""
+    c, H, L = info.text_config, info.hidden_size, info.num_layers
     n_heads = c["num_attention_heads"]
-    total = 2 * info.vocab_size * H + H  # embeddings, lm_head, final norm
-    if info.is_deepseek_v2_family:
-        nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-        q_lora, kv_lora = c.get("q_lora_rank"), c["kv_lora_rank"]
-        q = (
-            H * q_lora + q_lora + q_lora * n_heads * (nope + rope)
-            if q_lora
-            else H * n_heads * (nope + rope)
-        )
-        attn = q + H * (kv_lora + rope) + kv_lora + kv_lora * n_heads * (nope + v) + n_heads * v * H
-        dense = 3 * H * c["intermediate_size"]
-        moe_i = c["moe_intermediate_size"]
-        moe = (
-            (c["n_routed_experts"] + c.get("n_shared_experts", 0)) * 3 * H * moe_i
-            + H * c["n_routed_experts"]
-            + c["n_routed_experts"]
-        )
-        k_dense = c.get("first_k_dense_replace", 0)
-        total += (
-            info.num_layers * (attn + 2 * H) + k_dense * dense + (info.num_layers - k_dense) * moe
-        )
-    else:
+    groups = [
+        ("model.embed_tokens", info.vocab_size * H, False),
+        ("lm_head", info.vocab_size * H, True),
+        ("model.norm", H, False),
+        ("model.layers.1.input_layernorm", 2 * H * L, False),  # and post_attention_layernorm
+    ]
+    if not info.is_deepseek_v2_family:
         hd = c.get("head_dim") or H // n_heads
         kv = c.get("num_key_value_heads", n_heads)
         attn = H * n_heads * hd + 2 * H * kv * hd + n_heads * hd * H
-        total += info.num_layers * (attn + 3 * H * c["intermediate_size"] + 2 * H)
-    return int(total)
+        return groups + [
+            ("model.layers.1.self_attn.q_proj", L * attn, True),
+            ("model.layers.1.mlp.gate_proj", L * 3 * H * c["intermediate_size"], True),
+        ]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    q_lora, kv_lora = c.get("q_lora_rank"), c["kv_lora_rank"]
+    attn = "model.layers.1.self_attn."
+    if q_lora:
+        groups += [
+            (attn + "q_a_proj", L * H * q_lora, True),
+            (attn + "q_a_layernorm", L * q_lora, False),
+            (attn + "q_b_proj", L * q_lora * n_heads * (nope + rope), True),
+        ]
+    else:
+        groups.append((attn + "q_proj", L * H * n_heads * (nope + rope), True))
+    groups += [
+        (attn + "kv_a_proj_with_mqa", L * H * (kv_lora + rope), True),
+        (attn + "kv_a_layernorm", L * kv_lora, False),
+        (attn + "kv_b_proj", L * kv_lora * n_heads * (nope + v), True),
+        (attn + "o_proj", L * n_heads * v * H, True),
+    ]
+    k_dense = c.get("first_k_dense_replace", 0)
+    n_moe, moe_i, routed = L - k_dense, c["moe_intermediate_size"], c["n_routed_experts"]
+    return groups + [
+        ("model.layers.0.mlp.gate_proj", k_dense * 3 * H * c["intermediate_size"], True),
+        ("model.layers.1.mlp.experts.0.gate_proj", n_moe * routed * 3 * H * moe_i, True),
+        (
+            "model.layers.1.mlp.shared_experts.gate_proj",
+            n_moe * c.get("n_shared_experts", 0) * 3 * H * moe_i,
+            True,
+        ),
+        # The router's weight and e_score_correction_bias (a plain parameter, not a Linear).
+        ("model.layers.1.mlp.gate", n_moe * (H * routed + routed), False),
+    ]
+
+
+def count_parameters(info: TargetInfo) -> int:
+    """Parameter count from the config alone (embeddings, attention, MLP/MoE, norms, head)."""
+    return sum(n for _, n, _ in parameter_groups(info))
+
+
+def quantization_config(info: TargetInfo) -> dict:
+    """The checkpoint's quantization_config: top level, or under a wrapper's text_config."""
+    path_cfg = info.path / "config.json"
+    top = json.loads(path_cfg.read_text()) if path_cfg.is_file() else {}
+    return top.get("quantization_config") or info.text_config.get("quantization_config") or {}
 
 
 def bytes_per_weight(cfg: dict) -> float:
-    """Storage bytes per weight: fp8 and int4 checkpoints are far smaller than bf16 ones."""
-    q = cfg.get("quantization_config") or {}
+    """Storage bytes per quantized weight, scales included (fp8: one byte and a float32 scale
+    per 128x128 block; int4 groups: half a byte and a bf16 scale per group); 2 (bf16) when
+    the checkpoint is not quantized."""
+    q = cfg.get("quantization_config") or cfg
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
-        return 1.0
+        block = q.get("weight_block_size") or [128, 128]
+        return 1.0 + 4 / (block[0] * block[1]) if q.get("weight_block_size") else 1.0
     if method in ("compressed-tensors", "awq", "gptq"):
-        bits = q.get("bits") or _compressed_tensors_bits(q) or 4
-        return bits / 8
+        weights = _compressed_tensors_weights(q)
+        bits = q.get("bits") or weights.get("num_bits") or 4
+        group = q.get("group_size") or weights.get("group_size")
+        scale = 2 / group if group and group > 0 else 0.0  # one bf16 scale per group
+        return bits / 8 + scale
     return 2.0
 
 
-def _compressed_tensors_bits(q: dict):
+def _compressed_tensors_weights(q: dict) -> dict:
     for group in (q.get("config_groups") or {}).values():
-        bits = (group.get("weights") or {}).get("num_bits")
-        if bits:
-            return bits
-    return None
+        if (group.get("weights") or {}).get("num_bits"):
+            return group["weights"]
+    return {}
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    """compressed-tensors' rule: `re:` entries are regexes matched from the start of the
+    module name, others are module names (matched here also as a suffix, so `lm_head` names
+    a wrapper's `language_model.lm_head`)."""
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
 
 
 def weight_bytes(info: TargetInfo) -> int:
-    """Bytes of the target's weights, estimated from its config (no weight file is read)."""
-    return int(count_parameters(info) * bytes_per_weight(info.text_config))
+    """Bytes of the target's text-model weights, estimated from its config (no weight file is
+    read): quantized Linear weights at `bytes_per_weight` of the quantization_config (scales
+    included), everything else, and whatever its `ignore` list names, in bf16."""
+    q = quantization_config(info)
+    if not q:
+        return 2 * count_parameters(info)
+    quantized = bytes_per_weight(q)
+    ignore = list(q.get("ignore") or q.get("modules_to_not_convert") or [])
+    total = 0.0
+    for name, n, linear in parameter_groups(info):
+        total += n * (quantized if linear and not _ignored(name, ignore) else 2.0)
+    return int(total)
 
 
 def weight_files(path: str | Path) -> list[Path]:

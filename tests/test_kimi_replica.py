@@ -1,0 +1,201 @@
+"""The tiny Kimi-K2.5 replica (eagleflow.fixtures.tiny_kimi) without vLLM: its tokenizer is code
+that runs only when trusted, its template (no `{% generation %}` markers) gives assistant masks
+that match spans known by construction, the bundled dataset's masks through it hold only
+assistant text, and its wrapped weights load into an independent transformers forward.
+(The whole pipeline on it, vLLM included: `snakemake --configfile
+config/examples/tiny-kimi-k25.yaml`, docs/support-matrix.md.)"""
+
+import json
+
+import numpy as np
+import pytest
+
+from eagleflow.data.templating import has_generation_markers, tokenize_conversation
+from eagleflow.fixtures import tiny_kimi
+from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.target.info import TargetError, read_target
+from eagleflow.target.load import check_remote_code, load_tokenizer, remote_code_files
+
+BUNDLED = generate_conversations(300, seed=1)
+
+
+@pytest.fixture(scope="module")
+def kimi_text(tmp_path_factory):
+    """Untrained text model + Kimi tokenizer (plain DeepseekV3 directory), base vocab 512."""
+    d = tmp_path_factory.mktemp("kimi") / "text"
+    texts = [m["content"] for r in BUNDLED for m in r["messages"]]
+    return tiny_kimi.build_text_model(texts, d, base_vocab=512, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_text):
+    return tiny_kimi.wrap(kimi_text, kimi_text.parent / "tiny-kimi-k25")
+
+
+@pytest.fixture(scope="module")
+def tok(kimi):
+    return load_tokenizer(kimi)
+
+
+def test_the_tokenizer_is_code_that_runs_only_when_trusted(kimi, tok):
+    assert [f.name for f in remote_code_files(kimi)] == ["tokenization_kimi.py"]
+    with pytest.raises(
+        TargetError, match=r"tokenization_kimi.py.*`target.trust_remote_code: true`"
+    ):
+        check_remote_code(kimi, trust=False)
+    check_remote_code(kimi, trust=True)
+    assert type(tok).__name__ == "TikTokenTokenizer"
+    cfg = json.loads((kimi / "tokenizer_config.json").read_text())
+    assert cfg["auto_map"]["AutoTokenizer"][0] == "tokenization_kimi.TikTokenTokenizer"
+    # Kimi's layout: 256 special ids after the base vocabulary, role markers among them.
+    base = len((kimi / "tiktoken.model").read_text().splitlines())
+    assert base >= 512 and len(tok) == base + 256
+    for marker in tiny_kimi.ROLE_MARKERS:
+        assert tok.convert_tokens_to_ids(marker) >= base
+    text = "héllo 世界, 27 plus 97 is 124."
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_the_fingerprint_hashes_the_shipped_code(kimi, tmp_path):
+    import shutil
+
+    from eagleflow.extract.fingerprint import target_identity
+
+    copy = tmp_path / "copy"
+    shutil.copytree(kimi, copy)
+    before = target_identity(copy)
+    assert set(before["code"]) == {"tokenization_kimi.py"}
+    with open(copy / "tokenization_kimi.py", "a") as f:
+        f.write("\n# changed\n")
+    assert target_identity(copy)["code"] != before["code"]
+
+
+def _expected(tok, messages):
+    """ids and mask by construction: each turn's header (role marker, role name, <|im_middle|>,
+    and the empty <think></think> of an assistant turn) is unmasked; an assistant turn's
+    content and its <|im_end|> are masked. Content sits between special tokens, so it
+    tokenizes alone."""
+    sp = tok.convert_tokens_to_ids
+    ids, mask = [], []
+
+    def add(piece, m):
+        ids.extend(piece)
+        mask.extend([m] * len(piece))
+
+    if messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": tiny_kimi.DEFAULT_SYSTEM}, *messages]
+    for msg in messages:
+        role = msg["role"]
+        marker = {"system": "<|im_system|>", "user": "<|im_user|>"}.get(role, "<|im_assistant|>")
+        header = [sp(marker), *tok.encode(role, add_special_tokens=False), sp("<|im_middle|>")]
+        if role == "assistant":
+            header += [sp("<think>"), sp("</think>")]
+        add(header, 0)
+        body = tok.encode(msg["content"], add_special_tokens=False) + [sp("<|im_end|>")]
+        add(body, int(role == "assistant"))
+    return np.array(ids), np.array(mask, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Spell cat."},
+            {"role": "assistant", "content": "C A T."},
+            {"role": "user", "content": "And dog?"},
+            {"role": "assistant", "content": "D O G.\n"},
+        ],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": " leading space, trailing newline\n\n"},
+            {"role": "user", "content": "<|im_end|> typed by a user"},
+            {"role": "assistant", "content": "世界"},
+        ],
+    ],
+)
+def test_masks_without_generation_markers_match_spans_known_by_construction(tok, messages):
+    assert not has_generation_markers(tok)
+    t = tokenize_conversation(tok, messages, max_length=10_000)
+    ids, mask = _expected(tok, messages)
+    np.testing.assert_array_equal(t.input_ids, ids)
+    np.testing.assert_array_equal(t.loss_mask, mask)
+
+
+def test_bundled_masks_through_the_replica_template_hold_only_assistant_text(tok):
+    """Every bundled conversation: the masked tokens decode to the assistant replies, each
+    ended by <|im_end|>, in order; no header or user text is trained on."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row in BUNDLED:
+        t = tokenize_conversation(tok, row["messages"], max_length=10_000)
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert t.loss_mask.any()
+        # One masked run per reply, each ending at <|im_end|>.
+        edges = np.flatnonzero(np.diff(np.r_[0, t.loss_mask, 0]))
+        runs = list(zip(edges[::2], edges[1::2]))
+        assert len(runs) == len(replies), row
+        for (a, b), reply in zip(runs, replies):
+            assert t.input_ids[b - 1] == end
+            assert tok.decode(t.input_ids[a : b - 1]) == reply
+            assert tok.convert_ids_to_tokens(int(t.input_ids[a - 1])) == "</think>"
+
+
+def test_the_wrapped_layout_names_and_loads_the_text_model(kimi, kimi_text):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagleflow.target.head import EMBED, LM_HEAD, NORM, read_target_tensor
+    from eagleflow.target.load import load_causal_lm
+
+    info = read_target(kimi)
+    assert info.wrapper == "KimiK25ForConditionalGeneration" and info.is_mla
+    assert (info.text_config["kv_lora_rank"], info.text_config["qk_rope_head_dim"]) == (512, 64)
+    assert (info.text_config["topk_method"], info.text_config["scoring_func"]) == (
+        "noaux_tc",
+        "sigmoid",
+    )
+    cfg = json.loads((kimi / "config.json").read_text())
+    assert cfg["text_config"]["model_type"] == "kimi_k2" and "vision_config" in cfg
+    index = json.loads((kimi / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == tiny_kimi.NUM_SHARDS
+    assert all(n.startswith(("language_model.model.", "language_model.lm_head.")) for n in index)
+    for name in (NORM, LM_HEAD, EMBED):
+        assert f"language_model.{name}" in index
+        assert read_target_tensor(kimi, name).shape[-1] == info.hidden_size
+    wrapped = load_causal_lm(kimi, torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(kimi_text, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+def test_the_workflow_refuses_shipped_code_before_the_dag(kimi, tmp_path, embedded):
+    """`target.trust_remote_code` off: one sentence naming the key, before any job runs (the
+    embedded replica is refused before it is even built)."""
+    from support.workflow_runner import snakemake
+
+    path = "resources/targets/tiny-kimi-k25" if embedded else str(kimi)
+    cfg = {"target": {"path": path, "trust_remote_code": False}}
+    proc = snakemake(tmp_path, "-n", config=cfg, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "set `target.trust_remote_code: true`" in out, out[-2000:]
+    assert not (tmp_path / "resources").exists()
+
+
+def test_int4_packing_is_compressed_tensors_pack_quantized():
+    """The probe's int4 experts (docs/support-matrix.md): eight 4-bit values per int32, lowest
+    bits first, offset by 8; one scale per 32 inputs; dequantized within half a step."""
+    import torch
+
+    w = torch.randn(64, 128)
+    packed, scale, shape = tiny_kimi.pack_int4(w)
+    assert packed.dtype == torch.int32 and packed.shape == (64, 16)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (64, 4)
+    assert shape.tolist() == [64, 128]
+    q = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], -1).reshape(64, 128) - 8
+    deq = (q.reshape(64, 4, 32).float() * scale.float()[..., None]).reshape(64, 128)
+    step = scale.float().repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= 0.5 * step + 1e-2 * w.abs()).all()

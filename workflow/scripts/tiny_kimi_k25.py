@@ -1,0 +1,23 @@
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train_tiny_target.py
+
+import json
+
+from eagleflow.data.conversations import read_conversations
+from eagleflow.fixtures.tiny_kimi import build_tiny_kimi
+from eagleflow.fixtures.train_target import TargetTrainConfig
+from eagleflow.logs import redirect_to_log
+
+with redirect_to_log(snakemake.log[0]):
+    import torch
+
+    torch.set_num_threads(snakemake.threads)
+    conversations, _ = read_conversations(snakemake.input.data)
+    cfg = TargetTrainConfig(
+        **snakemake.params.cfg, heldout_modulus=snakemake.params.heldout_modulus
+    )
+    summary = build_tiny_kimi(
+        conversations, snakemake.params.out_dir, cfg, seed=snakemake.params.seed
+    )
+    print(json.dumps(summary, indent=1))
