@@ -59,7 +59,7 @@ rule tiny_kimi_k25:
     threads: all_cores_or(8)
     params:
         seed=config["target"]["tiny_seed"],
-        out_dir=TINY_KIMI_TARGET,
+        out_dir=lambda wildcards, output: os.path.dirname(output.summary),
         cfg=config["target_training"],
         heldout_modulus=config["data"]["heldout_modulus"],
     script:
