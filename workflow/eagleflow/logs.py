@@ -33,14 +33,16 @@ def redirect_to_log(path: str | Path):
             yield
         except UserError as e:
             user_error = e
-            print(f"error: {e}", file=sys.stderr)
+            sys.stderr.flush()
+            log.write(f"error: {e}\n")
         except SystemExit as e:
             if e.code not in (None, 0) and not isinstance(e.code, int):
-                print(f"error: {e.code}", file=sys.stderr)  # a message, not a bug
+                sys.stderr.flush()
+                log.write(f"error: {e.code}\n")  # a message, not a bug
             raise
         except BaseException:
-            traceback.print_exc()
             sys.stderr.flush()
+            traceback.print_exc(file=log)
             raise
         finally:
             sys.stdout.flush()
