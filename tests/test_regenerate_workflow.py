@@ -33,6 +33,7 @@ REGEN = {
             "mla": False,
             "max_num_seqs": 64,
             "max_new_tokens": 8,
+            "shard_rows": 100,
             "chunk_rows": 20,
         },
     }
@@ -111,19 +112,22 @@ def run_and_kill(workdir, targets, when, timeout=300):
         "2",
         *targets,
     ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    out = open(workdir / "killed-run.out", "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
     deadline = time.time() + timeout
     try:
         while not when():
-            assert proc.poll() is None, "the job finished before the kill point"
+            assert proc.poll() is None, (
+                "the job finished before the kill point:\n"
+                + (workdir / "killed-run.out").read_text()[-3000:]
+            )
             assert time.time() < deadline, "kill point never reached"
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        out.close()
     snakemake(workdir, "--unlock", config=REGEN)
 
 
