@@ -64,3 +64,19 @@ def test_measured_rates_from_finished_shards(tmp_path):
     (tmp_path / "fingerprint.json").write_text("{}")
     (tmp_path / f"{0:020x}.verify.json").write_text("{}")
     assert jr.measured_rates(tmp_path) == (pytest.approx(200.0), pytest.approx(30.0))
+
+
+def test_regeneration_rates_come_from_finished_shards_that_loaded_the_model(tmp_path):
+
+    assert jr.measured_regeneration(tmp_path) == (None, None)
+    for name, rec in {
+        "a": {"model_loaded": True, "tokens_per_second": 100.0, "engine_start_s": 30.0},
+        "b": {"model_loaded": True, "tokens_per_second": 300.0, "engine_start_s": 50.0},
+        "c": {"model_loaded": False, "engine_start_s": 0.0},  # resumed: all chunks committed
+    }.items():
+        (tmp_path / f"{name}.summary.json").write_text(json.dumps(rec))
+    assert jr.measured_regeneration(tmp_path) == (200.0, 50.0)
+    # the time limit grows with the prompts and the attempt
+    one = jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=1)
+    assert jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=2) == 2 * one
+    assert jr.extract_runtime_minutes(4000 * 64, 200.0, 50 / 60) > one
