@@ -15,13 +15,15 @@ def source_shards():
 
 def regenerated_files(suffix):
     """Input function: results/regenerated/<source shard><suffix>, in dataset order."""
-    return lambda wildcards: [
-        f"{R}/regenerated/{s['id']}{suffix}" for s in source_shards()
-    ]
+
+    def files(wildcards):
+        return [f"{R}/regenerated/{s['id']}{suffix}" for s in source_shards()]
+
+    return files
 
 
 def shard_data(wildcards):
-    """What the shard rule reads: the regenerated source shards in dataset order, or
+    """What sharding reads (shard.smk): the regenerated source shards in dataset order, or
     data.path as it is."""
     if REGENERATE["enabled"]:
         return regenerated_files(".jsonl")(wildcards)
@@ -73,3 +75,30 @@ def evaluation_outputs(wildcards):
     draft trained on, exported from and evaluated against extraction {fp}."""
     fp = os.path.basename(hidden_dir())
     return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]
+
+
+# The progress report (progress.smk).
+def regeneration_done():
+    return all(os.path.exists(f) for f in regenerated_files(".jsonl")(None))
+
+
+def progress_inputs(wildcards):
+    inputs = {}
+    if REGENERATE["enabled"]:
+        inputs["sources"] = checkpoints.split_sources.get().output.manifest
+        if not regeneration_done():
+            return inputs
+    inputs["manifest"] = shard_manifest()
+    inputs["fingerprint"] = f"{hidden_dir()}/fingerprint.json"
+    return inputs
+
+
+def progress_extraction(wildcards):
+    """What the extraction report needs, once sharding can be done; None before."""
+    if REGENERATE["enabled"] and not regeneration_done():
+        return None
+    return {
+        "hidden_dir": hidden_dir(),
+        "layer_ids": layer_ids(),
+        "hidden_size": read_target(TARGET).hidden_size,
+    }

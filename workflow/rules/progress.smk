@@ -8,32 +8,6 @@ localrules:
     progress,
 
 
-def regeneration_done():
-    return all(os.path.exists(f) for f in regenerated_files(".jsonl")(None))
-
-
-def progress_inputs(wildcards):
-    inputs = {}
-    if REGENERATE["enabled"]:
-        inputs["sources"] = checkpoints.split_sources.get().output.manifest
-        if not regeneration_done():
-            return inputs
-    inputs["manifest"] = shard_manifest()
-    inputs["fingerprint"] = f"{hidden_dir()}/fingerprint.json"
-    return inputs
-
-
-def progress_extraction(wildcards):
-    """What the extraction report needs, once sharding can be done; None before."""
-    if REGENERATE["enabled"] and not regeneration_done():
-        return None
-    return {
-        "hidden_dir": hidden_dir(),
-        "layer_ids": layer_ids(),
-        "hidden_size": read_target(TARGET).hidden_size,
-    }
-
-
 rule progress:
     input:
         unpack(progress_inputs),
