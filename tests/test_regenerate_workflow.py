@@ -26,6 +26,8 @@ pytestmark = pytest.mark.vllm
 # of 20 conversations; short replies (the untrained target loops until max_new_tokens).
 REGEN = {
     "data": {
+        # the user's own dataset: editing the bundled one would rebuild the embedded target
+        "path": "my-data.jsonl",
         "bundled_conversations": 200,
         "shard_size": 100,
         "regenerate": {
@@ -45,7 +47,7 @@ def sources(workdir):
 
 
 def dataset(workdir):
-    return workdir / "resources" / "data" / "bundled-chat.jsonl"
+    return workdir / "my-data.jsonl"
 
 
 def token_shard_ids(workdir):
@@ -55,7 +57,12 @@ def token_shard_ids(workdir):
 
 @pytest.fixture(scope="module")
 def regenerated_workdir(tmp_path_factory):
+    from eagleflow.fixtures.bundled_data import generate_conversations
+
     workdir = tmp_path_factory.mktemp("regen")
+    with open(dataset(workdir), "w") as f:
+        for row in generate_conversations(200, seed=7):
+            f.write(json.dumps(row) + "\n")
     t0 = time.time()
     proc = snakemake(workdir, "extract", config=REGEN)
     print(f"\nregenerate + extract, 200 conversations: {time.time() - t0:.0f} s")
