@@ -5,7 +5,12 @@ target's outputs rather than from whoever wrote the dataset (the EAGLE-3 authors
 regenerate responses the same way). Every conversation keeps its system and user turns; its
 assistant turns are dropped and each user turn is answered by the target, greedily, through
 vLLM (`LLM.generate`), with the target's own earlier replies in the context. Round r answers
-the r-th user turn of every conversation in one batched `generate` call.
+the r-th user turn of every conversation of a chunk in one batched `generate` call.
+
+The work is cut twice: the dataset into content-addressed source shards
+(`eagleflow.data.sources`, one workflow job each), and a source shard into chunks of
+conversations, each committed atomically once answered, so a killed job resumes after its
+last committed chunk and computes the rest in the same batches (`regenerate_source_shard`).
 
 Prompt-only datasets (a list of user turns per row: MT-Bench's `{"question_id", "turns"}`, or
 `messages` without assistant turns) are read the same way and come out completed.
