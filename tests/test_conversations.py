@@ -70,3 +70,75 @@ def test_missing_and_unknown_files_are_clear_errors(tmp_path):
     (tmp_path / "d.csv").write_text("x")
     with pytest.raises(DatasetError, match="unknown dataset format"):
         read_conversations(tmp_path / "d.csv")
+
+
+def test_a_row_that_is_not_utf8_is_a_bad_row_and_its_neighbours_are_kept(tmp_path):
+    path = tmp_path / "d.jsonl"
+    with open(path, "wb") as f:
+        f.write(json.dumps(OPENAI).encode() + b"\n")
+        f.write(b'{"id": "b", "messages": [{"role": "user", "content": "caf\xe9"}]}\n')  # Latin-1
+        f.write(json.dumps({**SHAREGPT, "id": "c"}).encode() + b"\n")
+    good, bad = read_conversations(path)
+    assert [c.sample_id for c in good] == ["a", "c"]
+    (b,) = bad
+    assert b.source_row == 2 and b.reason == "not UTF-8 (byte 0xe9 at byte 58)"
+    assert f"{path}, row 2: not UTF-8" in b.message()
+
+
+def test_openai_content_parts_are_joined_and_other_parts_named():
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you."}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]},
+        ]
+    }
+    assert normalize_messages(parts) == (
+        {"role": "user", "content": "Hello, you."},
+        {"role": "assistant", "content": "Hi."},
+    )
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    parts["messages"][0]["content"].append(image)
+    with pytest.raises(ValueError, match="turn 0 content part 2 is of type 'image_url'"):
+        normalize_messages(parts)
+
+
+def test_prompt_only_data_without_regeneration_says_to_turn_it_on(tmp_path, tokenizer_dir):
+    from eagleflow.data.shards import shard_dataset
+
+    data = write_jsonl(tmp_path / "q.jsonl", [{"turns": ["Hi?"]}, {"turns": ["Why?", "How?"]}])
+    for on_bad_row in ("error", "skip"):
+        with pytest.raises(DatasetError) as e:
+            shard_dataset(
+                data,
+                tokenizer_dir,
+                tmp_path / "t",
+                tmp_path / "m.parquet",
+                tmp_path / "r.jsonl",
+                shard_size=4,
+                max_length=64,
+                on_bad_row=on_bad_row,
+            )
+        assert "the data holds prompts only" in str(e.value)
+        assert "`data.regenerate.enabled: true`" in str(e.value)
+
+
+def test_a_user_error_is_one_sentence_in_the_log_and_a_bug_keeps_its_traceback(tmp_path):
+    from eagleflow.logs import redirect_to_log
+
+    log = tmp_path / "job.log"
+    with pytest.raises(SystemExit) as e:
+        with redirect_to_log(log):
+            raise DatasetError("d.jsonl, row 3: malformed JSON. Fix the row.")
+    assert e.value.code == 1
+    assert log.read_text() == "error: d.jsonl, row 3: malformed JSON. Fix the row.\n"
+    with pytest.raises(SystemExit):
+        with redirect_to_log(log):
+            raise SystemExit("stop: a message")
+    assert "Traceback" not in log.read_text() and "error: stop: a message" in log.read_text()
+    with pytest.raises(KeyError):
+        with redirect_to_log(log):
+            raise KeyError("a bug")
+    assert "Traceback (most recent call last)" in log.read_text()

@@ -80,3 +80,19 @@ def test_pipeline_and_multi_node_jobs_ask_for_every_worker_s_gpu():
     cpu = {**CPU, "pipeline_parallel_size": 2}
     assert jr.extract_cpus(cpu) == 2
     assert jr.extract_mem_mb(cpu, 2**30) == 1024 + 2 * 1024 + 2048
+
+
+def test_regeneration_rates_come_from_finished_shards_that_loaded_the_model(tmp_path):
+
+    assert jr.measured_regeneration(tmp_path) == (None, None)
+    for name, rec in {
+        "a": {"model_loaded": True, "tokens_per_second": 100.0, "engine_start_s": 30.0},
+        "b": {"model_loaded": True, "tokens_per_second": 300.0, "engine_start_s": 50.0},
+        "c": {"model_loaded": False, "engine_start_s": 0.0},  # resumed: all chunks committed
+    }.items():
+        (tmp_path / f"{name}.summary.json").write_text(json.dumps(rec))
+    assert jr.measured_regeneration(tmp_path) == (200.0, 50.0)
+    # the time limit grows with the prompts and the attempt
+    one = jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=1)
+    assert jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=2) == 2 * one
+    assert jr.extract_runtime_minutes(4000 * 64, 200.0, 50 / 60) > one

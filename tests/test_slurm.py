@@ -1,8 +1,8 @@
 """`snakemake --profile slurm` against a real single-node SLURM on loopback
 (tests/slurm/cluster.sh): the embedded default goes through sbatch, a damaged shard fails its
 job (retried with more time, then reported with its log), a rerun after the fix runs only what
-failed, and a final rerun submits nothing. CPU extraction runs inside jobs that were given
-(fake) GPUs.
+failed, and a final rerun submits nothing. CPU regeneration and extraction run inside jobs that
+were given (fake) GPUs.
 
 Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
 tests fail. About 10 minutes on 2 cores."""
@@ -29,7 +29,19 @@ N_SHARDS = 2
 CONFIG = merged(
     SMALL,
     {
-        "data": {"bundled_conversations": 100 * N_SHARDS},
+        "data": {
+            "bundled_conversations": 100 * N_SHARDS,
+            # one regenerate_shard job per source shard of 100 rows, short replies
+            "regenerate": {
+                "enabled": True,
+                "mla": False,
+                "max_num_seqs": 64,
+                "max_new_tokens": 8,
+                "shard_rows": 100,
+                "chunk_rows": 50,
+                "tokens_per_second": 20,
+            },
+        },
         "extract": {
             "gpus_per_job": 4,
             "cpus_per_job": min(2, os.cpu_count() or 1),
@@ -208,7 +220,27 @@ def test_jobs_run_through_slurm_with_their_resources(runs):
     rules_submitted = {
         next(part for part in Path(log).parts if part.startswith("rule_")) for _, log in submitted
     }
-    assert rules_submitted == {"rule_shard", "rule_patch", "rule_extract_shard"}
+    assert rules_submitted == {
+        "rule_regenerate_shard",
+        "rule_shard",
+        "rule_patch",
+        "rule_extract_shard",
+    }
+    # one regeneration job per source shard, given the extract jobs' GPUs, its time limit sized
+    # from its prompts (user turns x max_new_tokens at 20 tok/s, plus the 3-minute load)
+    import json
+
+    from eagleflow.extract.resources import extract_runtime_minutes
+
+    sources = json.loads((runs["workdir"] / "results/regenerated/sources.json").read_text())
+    prompts = {s["id"]: s["prompts"] for s in sources["shards"]}
+    regen = {j: log for j, log in submitted if "/rule_regenerate_shard/" in log}
+    assert len(regen) == N_SHARDS
+    for j, log in regen.items():
+        (source,) = [s for s in prompts if f"/{s}/" in log]
+        assert records[j]["state"] == "COMPLETED" and "gres/gpu=4" in records[j]["tres"]
+        limit = extract_runtime_minutes(prompts[source] * 8, 20, 3)
+        assert records[j]["timelimit"] == f"00:{limit:02d}:00", (records[j], limit)
     workdir = runs["workdir"]
     fp = hidden_dir(workdir).name
     log = (workdir / "results" / "logs" / "extract" / fp / f"{runs['shards'][1]}.log").read_text()

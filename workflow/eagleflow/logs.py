@@ -1,4 +1,8 @@
-"""Job logs: everything a step prints, and the full traceback of any error, goes to its log."""
+"""Job logs: everything a step prints, and the full traceback of any error, goes to its log.
+
+A user error (`UserError`: bad data, a wrong setting) is a sentence saying what to change: it is
+written to the log as that sentence alone, and the job exits with status 1. Tracebacks are for
+bugs."""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+
+
+class UserError(Exception):
+    """An error the user fixes in their data or config; its message says how."""
 
 
 @contextmanager
@@ -20,11 +28,21 @@ def redirect_to_log(path: str | Path):
     with open(path, "a", buffering=1) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+        user_error = None
         try:
             yield
-        except BaseException:
-            traceback.print_exc()
+        except UserError as e:
+            user_error = e
             sys.stderr.flush()
+            log.write(f"error: {e}\n")
+        except SystemExit as e:
+            if e.code not in (None, 0) and not isinstance(e.code, int):
+                sys.stderr.flush()
+                log.write(f"error: {e.code}\n")  # a message, not a bug
+            raise
+        except BaseException:
+            sys.stderr.flush()
+            traceback.print_exc(file=log)
             raise
         finally:
             sys.stdout.flush()
@@ -33,3 +51,6 @@ def redirect_to_log(path: str | Path):
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
+    if user_error is not None:
+        print(f"error: {user_error}", file=sys.stderr)  # also where the job was started
+        raise SystemExit(1) from None

@@ -166,17 +166,6 @@ def hidden_dir(wildcards=None):
     return HIDDEN.format(fp=fingerprint()[0])
 
 
-def after_sharding(value):
-    """Input or params function: value() once sharding is done, when the target exists (the
-    embedded one is built first)."""
-
-    def function(wildcards):
-        hidden_dir()
-        return value()
-
-    return function
-
-
 def extraction_summary(wildcards):
     return f"{hidden_dir()}/verify_summary.tsv"
 

@@ -1,10 +1,58 @@
 # Input functions and paths of the target-training, regeneration, draft and evaluation rules
 # (functions only, as `snakemake --lint` asks; common.smk holds the extraction's).
 
-# Response regeneration (regenerate.smk): its output is the dataset the shard rule reads.
+# Response regeneration (regenerate.smk): its source shards, regenerated, are the dataset
+# the shard rule reads.
 REGENERATE = config["data"]["regenerate"]
-REGENERATED_DATA = f"{R}/regenerated/dataset.jsonl"
-SHARD_DATA = REGENERATED_DATA if REGENERATE["enabled"] else config["data"]["path"]
+SOURCES_MANIFEST = f"{R}/regenerated/sources.json"
+
+
+def source_shards():
+    """The source shards of data.path in dataset order, once split_sources has run."""
+    with open(checkpoints.split_sources.get().output.manifest) as f:
+        return json.load(f)["shards"]
+
+
+def regenerated_files(suffix):
+    """Input function: results/regenerated/<source shard><suffix>, in dataset order."""
+
+    def files(wildcards):
+        return [f"{R}/regenerated/{s['id']}{suffix}" for s in source_shards()]
+
+    return files
+
+
+def shard_data(wildcards):
+    """What sharding reads (shard.smk): the regenerated source shards in dataset order, or
+    data.path as it is."""
+    if REGENERATE["enabled"]:
+        return regenerated_files(".jsonl")(wildcards)
+    return [config["data"]["path"]]
+
+
+def shard_regeneration_rejects(wildcards):
+    return (
+        regenerated_files(".rejects.jsonl")(wildcards) if REGENERATE["enabled"] else []
+    )
+
+
+@cache
+def measured_regeneration():
+    return jobres.measured_regeneration(f"{R}/regenerated")
+
+
+def regenerate_runtime(wildcards, attempt):
+    """SLURM time limit: the shard's user turns x max_new_tokens at the measured decode rate
+    (finished shards' summaries, else data.regenerate.tokens_per_second), plus the model load
+    (measured, else extract.model_load_minutes), times the attempt."""
+    (entry,) = [s for s in source_shards() if s["id"] == wildcards.source]
+    tokens_per_second, engine_start_s = measured_regeneration()
+    return jobres.extract_runtime_minutes(
+        entry["prompts"] * REGENERATE["max_new_tokens"],
+        tokens_per_second or REGENERATE["tokens_per_second"],
+        engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"],
+        attempt=attempt,
+    )
 
 
 def target_tokenizer_files(wildcards=None):
@@ -27,3 +75,30 @@ def evaluation_outputs(wildcards):
     draft trained on, exported from and evaluated against extraction {fp}."""
     fp = os.path.basename(hidden_dir())
     return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]
+
+
+# The progress report (progress.smk).
+def regeneration_done():
+    return all(os.path.exists(f) for f in regenerated_files(".jsonl")(None))
+
+
+def progress_inputs(wildcards):
+    inputs = {}
+    if REGENERATE["enabled"]:
+        inputs["sources"] = checkpoints.split_sources.get().output.manifest
+        if not regeneration_done():
+            return inputs
+    inputs["manifest"] = shard_manifest()
+    inputs["fingerprint"] = f"{hidden_dir()}/fingerprint.json"
+    return inputs
+
+
+def progress_extraction(wildcards):
+    """What the extraction report needs, once sharding can be done; None before."""
+    if REGENERATE["enabled"] and not regeneration_done():
+        return None
+    return {
+        "hidden_dir": hidden_dir(),
+        "layer_ids": layer_ids(),
+        "hidden_size": read_target(TARGET).hidden_size,
+    }

@@ -1,24 +1,24 @@
 # Progress and deep verification: targets that inspect, never extract.
 
 
-# The progress report reads the manifest and a few headers: where Snakemake runs, also on a
-# cluster.
+# The progress report reads the manifests and a few headers: where Snakemake runs, also on a
+# cluster. With regeneration on, it reports regeneration and waits for nothing but the split
+# into source shards; extraction is reported once every source shard is regenerated.
 localrules:
     progress,
 
 
 rule progress:
     input:
-        manifest=shard_manifest,
-        fingerprint=lambda wc: f"{hidden_dir()}/fingerprint.json",
+        unpack(progress_inputs),
     log:
         f"{R}/logs/progress.log",
     conda:
         CONDA_ENV
     params:
-        hidden_dir=hidden_dir,
-        layer_ids=after_sharding(layer_ids),
-        hidden_size=after_sharding(lambda: read_target(TARGET).hidden_size),
+        extraction=progress_extraction,
+        regenerated_dir=f"{R}/regenerated",
+        max_new_tokens=REGENERATE["max_new_tokens"],
         dtype=config["extract"]["dtype"],
         storage_dtype=config["capture"]["storage_dtype"],
     script:

@@ -1,20 +1,57 @@
-# Response regeneration: the dataset's assistant turns replaced by the target's own greedy
-# replies through vLLM (prompt-only datasets completed the same way); its output is the
-# dataset the shard rule reads when `data.regenerate.enabled` is set.
+# Response regeneration, per source shard: the dataset's assistant turns replaced by the
+# target's own greedy replies through vLLM (prompt-only datasets completed the same way).
+# split_sources cuts data.path into content-addressed source shards (eagleflow.data.sources);
+# one regenerate_shard job per shard commits its replies in chunks and resumes after a kill
+# (eagleflow.data.regenerate). The shard rule reads the regenerated shards in dataset order.
 
 
-rule regenerate:
+localrules:
+    split_sources,
+    regenerate,
+
+
+checkpoint split_sources:
     input:
         data=config["data"]["path"],
+        # The ids hash the target's identity: the embedded target must exist first.
         target=target_files,
     output:
-        data=REGENERATED_DATA,
-        rejects=f"{R}/regenerated/rejects.jsonl",
-        summary=f"{R}/regenerated/summary.json",
+        manifest=SOURCES_MANIFEST,
     log:
-        f"{R}/logs/regenerate.log",
+        f"{R}/logs/split_sources.log",
     benchmark:
-        f"{R}/benchmarks/regenerate.tsv"
+        f"{R}/benchmarks/split_sources.tsv"
+    conda:
+        CONDA_ENV
+    params:
+        target=TARGET,
+        revision=config["target"]["revision"],
+        shard_rows=REGENERATE["shard_rows"] or config["data"]["shard_size"],
+        max_length=config["data"]["max_length"],
+        max_new_tokens=REGENERATE["max_new_tokens"],
+        mla=REGENERATE["mla"],
+    script:
+        "../scripts/split_sources.py"
+
+
+# Every input is content-addressed by the wildcard (the source shard id hashes the rows, the
+# target and the generation settings), so all are ancient(): a re-split, a touched dataset or
+# target file never regenerates a finished shard. No params: the script reads the rest of its
+# settings (chunk_rows, on_bad_row, engine) from the config; a params change would regenerate
+# every shard for settings that do not change the replies.
+rule regenerate_shard:
+    input:
+        data=ancient(config["data"]["path"]),
+        sources=ancient(SOURCES_MANIFEST),
+        target=lambda wildcards: [ancient(f) for f in target_files()],
+    output:
+        rows=f"{R}/regenerated/{{source}}.jsonl",
+        rejects=f"{R}/regenerated/{{source}}.rejects.jsonl",
+        summary=f"{R}/regenerated/{{source}}.summary.json",
+    log:
+        f"{R}/logs/regenerate/{{source}}.log",
+    benchmark:
+        f"{R}/benchmarks/regenerate/{{source}}.tsv"
     conda:
         CONDA_ENV
     threads: extract_threads
@@ -23,14 +60,13 @@ rule regenerate:
         gres=jobres.extract_gres(EXTRACT),
         nodes=jobres.extract_nodes(EXTRACT),
         cpus_per_task=jobres.extract_cpus(EXTRACT),
-        runtime=lambda wildcards, attempt: REGENERATE["runtime_minutes"] * attempt,
-    params:
-        target=TARGET,
-        max_length=config["data"]["max_length"],
-        max_new_tokens=REGENERATE["max_new_tokens"],
-        on_bad_row=config["data"]["on_bad_row"],
-        # What shapes the replies; the engine's other settings come from the config
-        # (EngineSettings.from_config) and change nothing in them.
-        mla=REGENERATE["mla"],
+        mem_mb=extract_mem_mb,
+        runtime=regenerate_runtime,
     script:
         "../scripts/regenerate.py"
+
+
+rule regenerate:
+    # Target: every source shard regenerated (no sharding, no extraction).
+    input:
+        regenerated_files(".jsonl"),

@@ -1,12 +1,15 @@
 # Tokenize the dataset with the target's chat template and cut it into content-addressed shards.
-# The dataset is data.path, or its regenerated version (regenerate.smk); the held-out split
-# stays in the shards (so shard ids do not move) and is skipped by draft training.
+# The dataset is data.path, or its regenerated source shards in dataset order (regenerate.smk):
+# a shard never spans two source shards, so a regenerated source shard changes only its own
+# token shards. The held-out split stays in the shards (so shard ids do not move) and is
+# skipped by draft training. Regeneration's rejects are gathered into this rule's rejects.
 
 
 checkpoint shard:
     input:
-        data=SHARD_DATA,
+        data=shard_data,
         tokenizer=target_tokenizer_files,
+        regeneration_rejects=shard_regeneration_rejects,
     output:
         manifest=f"{R}/shards/manifest.parquet",
         tokens=directory(f"{R}/shards/tokens"),

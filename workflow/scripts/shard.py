@@ -3,7 +3,7 @@ from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):
     shard_dataset(
-        snakemake.input.data,
+        list(snakemake.input.data),
         snakemake.params.target,
         snakemake.output.tokens,
         snakemake.output.manifest,
@@ -11,4 +11,5 @@ with redirect_to_log(snakemake.log[0]):
         shard_size=snakemake.params.shard_size,
         max_length=snakemake.params.max_length,
         on_bad_row=snakemake.params.on_bad_row,
+        earlier_rejects=list(snakemake.input.regeneration_rejects),
     )

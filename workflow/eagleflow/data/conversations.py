@@ -8,11 +8,14 @@ nothing disappears silently. What to do with bad rows is the caller's decision
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from eagleflow.logs import UserError
 
 # ShareGPT speaker names -> OpenAI roles.
 SHAREGPT_ROLES = {
@@ -49,22 +52,35 @@ class BadRow:
         )
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     pass
+
+
+def jsonl_lines(path: str | Path):
+    """(1-based line number, bytes without the line end) of every non-blank line, undecoded:
+    a line that is not UTF-8 is one bad row, not an error for the whole file."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip(b"\r\n")
+            if line.strip():
+                yield lineno, line
 
 
 def _records(path: Path):
     """Yield (row_number, record or parse-error string, raw text)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield lineno, json.loads(line), line.rstrip("\n")
-                except json.JSONDecodeError as e:
-                    yield lineno, f"malformed JSON ({e.msg} at column {e.colno})", line.rstrip("\n")
+        for lineno, raw in jsonl_lines(path):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                text = raw.decode("utf-8", errors="replace")
+                yield lineno, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})", text
+                continue
+            try:
+                yield lineno, json.loads(line), line
+            except json.JSONDecodeError as e:
+                yield lineno, f"malformed JSON ({e.msg} at column {e.colno})", line
     elif suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -126,14 +142,28 @@ def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[di
         role = names.get(speaker) if names is not None else (speaker if speaker in ROLES else None)
         if role is None:
             raise ValueError(f"turn {i} has unknown role {speaker!r}")
-        if not isinstance(turn[text_key], str):
-            raise ValueError(f"turn {i} content is not a string")
-        messages.append({"role": role, "content": turn[text_key]})
+        messages.append({"role": role, "content": _text(turn[text_key], i)})
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn")  # prompt-only rows: data.regenerate.enabled
     if not require_assistant and not any(m["role"] == "user" for m in messages):
         raise ValueError("no user turn to answer")
     return tuple(messages)
+
+
+def _text(content, i: int) -> str:
+    """A turn's text: a string, or OpenAI's list of content parts (`[{"type": "text", "text":
+    ...}]`), whose text parts are joined; any other part makes the row bad, named by type."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"turn {i} content is neither a string nor a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"turn {i} content part {j} is of type {kind!r}; only text is read")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def content_id(messages: tuple[dict, ...]) -> str:
@@ -142,13 +172,29 @@ def content_id(messages: tuple[dict, ...]) -> str:
 
 
 def read_conversations(
-    path: str | Path, require_assistant: bool = True
+    paths,
+    require_assistant: bool = True,
+    rows: tuple[int, int] | None = None,
+    seen: set | None = None,
 ) -> tuple[list[Conversation], list[BadRow]]:
-    path = Path(path)
+    """Conversations and bad rows of one dataset file, or of several read one after another
+    (sample ids unique across all). `rows`: only records [start, end) in reading order (blank
+    JSONL lines are not records): one source shard (eagleflow.data.sources). `seen`: sample
+    ids of files read before (updated)."""
+    good, bad = [], []
+    seen = set() if seen is None else seen
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        _read_file(Path(path), require_assistant, rows, good, bad, seen)
+    return good, bad
+
+
+def _read_file(path: Path, require_assistant, rows, good, bad, seen) -> None:
     if not path.exists():
         raise DatasetError(f"{path}: dataset file not found; set `data.path` in the config")
-    good, bad, seen = [], [], set()
-    for row, record, raw in _records(path):
+    records = _records(path)
+    if rows is not None:
+        records = itertools.islice(records, rows[0], rows[1])
+    for row, record, raw in records:
         if isinstance(record, str):
             bad.append(BadRow(str(path), row, record, raw))
             continue
@@ -160,11 +206,16 @@ def read_conversations(
         except ValueError as e:
             bad.append(BadRow(str(path), row, str(e), raw))
             continue
+        source = record.get("source")
+        if isinstance(source, dict) and {"file", "row"} <= source.keys():
+            # a regenerated row (eagleflow.data.regenerate) names the dataset row it answers
+            origin = (str(source["file"]), int(source["row"]))
+        else:
+            origin = (str(path), row)
         given = record.get("id", record.get("question_id"))
         sample_id = str(given) if given is not None else content_id(messages)
         if sample_id in seen:
-            bad.append(BadRow(str(path), row, f"duplicate sample id {sample_id!r}", raw))
+            bad.append(BadRow(*origin, f"duplicate sample id {sample_id!r}", raw))
             continue
         seen.add(sample_id)
-        good.append(Conversation(sample_id, messages, str(path), row))
-    return good, bad
+        good.append(Conversation(sample_id, messages, *origin))

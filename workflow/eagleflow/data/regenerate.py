@@ -5,7 +5,12 @@ target's outputs rather than from whoever wrote the dataset (the EAGLE-3 authors
 regenerate responses the same way). Every conversation keeps its system and user turns; its
 assistant turns are dropped and each user turn is answered by the target, greedily, through
 vLLM (`LLM.generate`), with the target's own earlier replies in the context. Round r answers
-the r-th user turn of every conversation in one batched `generate` call.
+the r-th user turn of every conversation of a chunk in one batched `generate` call.
+
+The work is cut twice: the dataset into content-addressed source shards
+(`eagleflow.data.sources`, one workflow job each), and a source shard into chunks of
+conversations, each committed atomically once answered, so a killed job resumes after its
+last committed chunk and computes the rest in the same batches (`regenerate_source_shard`).
 
 Prompt-only datasets (a list of user turns per row: MT-Bench's `{"question_id", "turns"}`, or
 `messages` without assistant turns) are read the same way and come out completed.
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.data.conversations import BadRow, Conversation, DatasetError, read_conversations
@@ -125,7 +132,9 @@ def vllm_generator(settings: EngineSettings, max_new_tokens: int):
 
     def generate(prompts):
         t0 = time.time()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
         for o in outputs:
             reason = o.outputs[0].finish_reason
             finished[reason] = finished.get(reason, 0) + 1
@@ -147,77 +156,222 @@ def chat_renderer(tokenizer):
     return render
 
 
-def regenerate_dataset(
+@dataclass(frozen=True)
+class ShardFiles:
+    """The three files a regenerate_shard job writes, each atomically."""
+
+    rows: Path  # <id>.jsonl: {"id", "source": {"file", "row"}, "messages"} per kept row
+    rejects: (
+        Path  # <id>.rejects.jsonl: {"source_file", "source_row", "reason", "raw"}; empty if none
+    )
+    summary: Path  # <id>.summary.json: counts and throughput; written last
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.rows.parent / ".partial" / self.rows.name.split(".")[0]
+
+
+def chunk_file(partial_dir: Path, i: int) -> Path:
+    return Path(partial_dir) / f"chunk-{i:05d}.json"
+
+
+def read_chunk(path: Path, shard_id: str, i: int, sample_ids: list[str]) -> dict | None:
+    """A committed chunk of this shard holding exactly these conversations, else None."""
+    try:
+        chunk = json.loads(path.read_text(encoding="utf-8"))
+        ok = chunk["shard"] == shard_id and chunk["chunk"] == i and chunk["samples"] == sample_ids
+        return chunk if ok else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def reject_record(b: BadRow) -> dict:
+    return {
+        "source_file": b.source_file,
+        "source_row": b.source_row,
+        "reason": b.reason,
+        "raw": b.raw,
+    }
+
+
+def jsonl(records) -> str:
+    """JSON lines; nothing at all (not a blank line) for no records."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def regenerate_source_shard(
     dataset_path,
+    manifest: dict,
+    shard_id: str,
     target_dir,
-    out_path,
-    rejects_path,
+    files: ShardFiles,
     max_length: int,
     max_new_tokens: int,
+    chunk_rows: int,
     on_bad_row: str = "error",
     engine: EngineSettings | None = None,
     generate=None,
     log=print,
 ) -> dict:
-    """Read `dataset_path` (complete or prompt-only rows), answer every user turn with the
-    target through vLLM, write the completed conversations as JSONL (`id`, `messages`) to
-    `out_path` and bad rows to `rejects_path`. `generate` replaces vLLM (tests)."""
-    from eagleflow.target.load import load_tokenizer
+    """Regenerate one source shard (eagleflow.data.sources) of `dataset_path`.
+
+    Its conversations are answered in chunks of `chunk_rows` conversations, in order; each
+    chunk is its own set of rounds (its own `generate` calls) and is committed, once answered,
+    to `.partial/<id>/chunk-NNNNN.json` (temporary name, then rename). A rerun after a kill
+    keeps the committed chunks as they are and answers only the others, in the same batches an
+    uninterrupted run uses: with greedy decoding the shard comes out the same. A job whose
+    chunks are all committed loads no model. `generate` replaces vLLM (tests)."""
+    from eagleflow.data.sources import shard_entry, shard_raw_rows, source_shard_id
 
     t0 = time.time()
-    conversations, bad = read_conversations(dataset_path, require_assistant=False)
-    if bad and on_bad_row == "error":
-        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
-    if not conversations:
-        raise DatasetError(f"{dataset_path}: no usable conversations")
-    tokenizer = load_tokenizer(target_dir)
-    finished = None
-    if generate is None:
-        settings = engine or EngineSettings(
-            str(target_dir), max_model_len=max_length + max_new_tokens
+    entry = shard_entry(manifest, shard_id)
+    if source_shard_id(manifest["identity"], shard_raw_rows(dataset_path, entry)) != shard_id:
+        raise DatasetError(
+            f"{dataset_path} changed after it was split into source shards (rows "
+            f"{entry['first_row']}-{entry['last_row']} are not those of shard {shard_id}); "
+            "run snakemake again to split it anew"
         )
-        generate, finished = vllm_generator(settings, max_new_tokens)
-    started = time.time() - t0
-    rows, more_bad, stats = regenerate_conversations(
-        conversations, generate, chat_renderer(tokenizer), max_length, log
+    conversations, bad = read_conversations(
+        dataset_path, require_assistant=False, rows=tuple(entry["rows"])
     )
-    if more_bad and on_bad_row == "error":
-        raise DatasetError(f"{more_bad[0].message()} ({len(more_bad)} such rows in all)")
-    bad = sorted(bad + more_bad, key=lambda b: b.source_row)
-    out_path, rejects_path = Path(out_path), Path(rejects_path)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out_path)
-    with open(rejects_path, "w", encoding="utf-8") as f:
-        for b in bad:
-            f.write(
-                json.dumps(
-                    {
-                        "source_file": b.source_file,
-                        "source_row": b.source_row,
-                        "reason": b.reason,
-                        "raw": b.raw,
-                    }
-                )
-                + "\n"
+    rows_read = len(conversations) + len(bad)
+    if bad and on_bad_row == "error":
+        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in this source shard)")
+    chunks = [conversations[i : i + chunk_rows] for i in range(0, len(conversations), chunk_rows)]
+    partial = files.partial_dir
+    partial.mkdir(parents=True, exist_ok=True)
+    done = {}
+    for i, chunk in enumerate(chunks):
+        found = read_chunk(chunk_file(partial, i), shard_id, i, [c.sample_id for c in chunk])
+        if found is not None:
+            done[i] = found
+    todo = [i for i in range(len(chunks)) if i not in done]
+    log(
+        f"source shard {shard_id}: rows {entry['first_row']}-{entry['last_row']} of "
+        f"{dataset_path}, {rows_read} rows, {len(conversations)} conversations in "
+        f"{len(chunks)} chunks of up to {chunk_rows}; {len(done)} chunks already committed"
+    )
+    finished, started = None, 0.0
+    regenerated = {"replies": 0, "rounds": 0, "stopped_early": 0}
+    if todo:
+        from tqdm import tqdm
+
+        from eagleflow.target.load import load_tokenizer
+
+        render = chat_renderer(load_tokenizer(target_dir))
+        if generate is None:
+            settings = engine or EngineSettings(
+                str(target_dir), max_model_len=max_length + max_new_tokens
             )
+            generate, finished = vllm_generator(settings, max_new_tokens)
+        started = time.time() - t0
+        bar = tqdm(
+            total=len(conversations),
+            initial=sum(len(chunks[i]) for i in done),
+            unit="conv",
+            desc=f"regenerate {shard_id}",
+            mininterval=5,
+        )
+        stats = getattr(generate, "stats", None)
+
+        def round_log(message):
+            log(message)
+            if stats and stats["generate_s"] > 0:
+                bar.set_postfix_str(
+                    f"{stats['generated_tokens'] / stats['generate_s']:.0f} generated tok/s"
+                )
+
+        for i in todo:
+            rows, more_bad, chunk_stats = regenerate_conversations(
+                chunks[i], generate, render, max_length, round_log
+            )
+            if more_bad and on_bad_row == "error":
+                raise DatasetError(f"{more_bad[0].message()} ({len(more_bad)} such rows in all)")
+            sources = {c.sample_id: (c.source_file, c.source_row) for c in chunks[i]}
+            record = {
+                "shard": shard_id,
+                "chunk": i,
+                "samples": [c.sample_id for c in chunks[i]],
+                "rows": [
+                    {
+                        "id": r["id"],
+                        "source": dict(zip(("file", "row"), sources[r["id"]])),
+                        "messages": r["messages"],
+                    }
+                    for r in rows
+                ],
+                "rejects": [reject_record(b) for b in more_bad],
+            }
+            write_atomically(chunk_file(partial, i), json.dumps(record, ensure_ascii=False))
+            done[i] = record
+            for k in regenerated:
+                regenerated[k] += chunk_stats[k]
+            bar.update(len(chunks[i]))
+        bar.close()
+    # Assemble: the chunks' rows in order, one file, renamed into place; rejects sorted by row.
+    rows = [r for i in range(len(chunks)) for r in done[i]["rows"]]
+    rejects = sorted(
+        [reject_record(b) for b in bad]
+        + [r for i in range(len(chunks)) for r in done[i]["rejects"]],
+        key=lambda r: r["source_row"],
+    )
+    if len(rows) + len(rejects) != rows_read:
+        raise RuntimeError(
+            f"source shard {shard_id}: {len(rows)} rows kept and {len(rejects)} rejected, "
+            f"but {rows_read} read"
+        )
+    write_atomically(files.rows, jsonl(rows))
+    write_atomically(files.rejects, jsonl(rejects))
     summary = {
-        **stats,
-        "rejected": len(bad),
-        "finish_reasons": finished,
+        "shard": shard_id,
+        "source": str(dataset_path),
+        "first_row": entry["first_row"],
+        "last_row": entry["last_row"],
+        "rows_read": rows_read,
+        "rows_kept": len(rows),
+        "rows_rejected": len(rejects),
+        "chunks": len(chunks),
+        "chunks_resumed": len(chunks) - len(todo),
+        "chunks_regenerated": len(todo),
+        "model_loaded": bool(todo),  # the generator (vLLM unless a test passes its own) ran
+        "replies": sum(len([m for m in r["messages"] if m["role"] == "assistant"]) for r in rows),
+        "replies_now": regenerated["replies"],
+        "rounds_now": regenerated["rounds"],
+        "stopped_early_now": regenerated["stopped_early"],
+        "finish_reasons_now": finished,
         "max_new_tokens": max_new_tokens,
         "max_length": max_length,
+        "chunk_rows": chunk_rows,
         "seconds": round(time.time() - t0, 1),
         "engine_start_s": round(started, 1),
     }
     stats = getattr(generate, "stats", None)
     if stats and stats["generate_s"] > 0:
         summary.update(
-            generated_tokens=stats["generated_tokens"],
+            generated_tokens_now=stats["generated_tokens"],
             generate_s=round(stats["generate_s"], 1),
-            tokens_per_s=round(stats["generated_tokens"] / stats["generate_s"], 1),
+            tokens_per_second=round(stats["generated_tokens"] / stats["generate_s"], 1),
         )
-    log(f"regenerated {dataset_path} with {target_dir}: {json.dumps(summary)}")
+    write_atomically(files.summary, json.dumps(summary, indent=1) + "\n")
+    shutil.rmtree(partial, ignore_errors=True)
+    log(
+        f"source shard {shard_id} done: {rows_read} rows read, {len(rows)} kept, "
+        f"{len(rejects)} rejected; {summary['replies']} replies, {regenerated['replies']} "
+        f"generated now ({len(todo)} of {len(chunks)} chunks; {len(chunks) - len(todo)} resumed)"
+        + (
+            f", {summary['tokens_per_second']} generated tok/s"
+            if "tokens_per_second" in summary
+            else ""
+        )
+        + f"; {summary['seconds']} s"
+    )
     return summary

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleflow.data.conversations import Conversation
+from eagleflow.data.conversations import Conversation, DatasetError
 from eagleflow.data.templating import Tokenized
 
 
@@ -119,8 +119,28 @@ def manifest_frame(conversations: list[Conversation], shards: list[TokenShard]) 
     return pd.DataFrame(rows)
 
 
+PROMPTS_ONLY = "no assistant turn"
+
+
+def prompts_only_error(bad: list, n_rows: int):
+    """The sentence for a dataset of prompts (no assistant turn) read without regeneration."""
+    first = bad[0]
+    return DatasetError(
+        f"{first.source_file}, row {first.source_row}: the data holds prompts only (no "
+        f"assistant turn in {len(bad)} of {n_rows} rows); set `data.regenerate.enabled: true` "
+        "in the config so the target writes the replies (docs/draft-training.md#regeneration)"
+    )
+
+
+def write_rejects(bad: list, path) -> None:
+    """The rejects as JSON lines; an empty file when there are none."""
+    with open(path, "w", encoding="utf-8") as f:
+        for b in bad:
+            f.write(json.dumps(b, ensure_ascii=False) + "\n")
+
+
 def shard_dataset(
-    dataset_path,
+    dataset_paths,
     tokenizer_dir,
     tokens_dir,
     manifest_path,
@@ -128,65 +148,91 @@ def shard_dataset(
     shard_size: int,
     max_length: int,
     on_bad_row: str,
+    earlier_rejects=(),
     log=print,
 ) -> dict:
-    """Read, template, mask, truncate and shard a dataset; write token shards, manifest, rejects."""
-    from eagleflow.data.conversations import BadRow, DatasetError, read_conversations
+    """Read, template, mask, truncate and shard a dataset; write token shards, manifest, rejects.
+
+    `dataset_paths`: one file, or several read in order (regenerated source shards); a token
+    shard never spans two files, so each file's shards depend on that file alone.
+    `earlier_rejects`: rejects files of an earlier stage (regeneration), gathered into
+    `rejects_path` after this stage's own, with a `stage` field."""
+    from eagleflow.data.conversations import BadRow, read_conversations
     from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
     from eagleflow.target.load import load_tokenizer
 
+    paths = [dataset_paths] if isinstance(dataset_paths, (str, Path)) else list(dataset_paths)
     tokenizer = load_tokenizer(tokenizer_dir)
-    conversations, bad = read_conversations(dataset_path)
-    kept, tokenized = [], []
-    for conv in conversations:
-        t = tokenize_conversation(tokenizer, conv.messages, max_length)
-        if not t.loss_mask.any():
-            bad.append(
-                BadRow(
-                    conv.source_file,
-                    conv.source_row,
-                    f"no assistant tokens within the first {max_length} tokens",
-                    conv.sample_id,
+    digest = tokenizer_digest(tokenizer)
+    kept_all, shards, bad_all, seen, rows_read = [], [], [], set(), 0
+    for path in paths:
+        # one file at a time, sample ids unique across all of them
+        conversations, bad = read_conversations(path, seen=seen)
+        rows_read += len(conversations) + len(bad)
+        kept, tokenized = [], []
+        for conv in conversations:
+            t = tokenize_conversation(tokenizer, conv.messages, max_length)
+            if not t.loss_mask.any():
+                bad.append(
+                    BadRow(
+                        conv.source_file,
+                        conv.source_row,
+                        f"no assistant tokens within the first {max_length} tokens",
+                        conv.sample_id,
+                    )
                 )
-            )
-            continue
-        kept.append(conv)
-        tokenized.append(t)
-    bad.sort(key=lambda b: b.source_row)
-    if bad and on_bad_row == "error":
-        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
-    if not kept:
-        raise DatasetError(f"{dataset_path}: no usable conversations")
-    shards = build_shards(kept, tokenized, shard_size, tokenizer_digest(tokenizer))
+                continue
+            kept.append(conv)
+            tokenized.append(t)
+        bad.sort(key=lambda b: b.source_row)
+        bad_all += bad
+        kept_all += kept
+        shards += build_shards(kept, tokenized, shard_size, digest)
+    prompts_only = [b for b in bad_all if b.reason == PROMPTS_ONLY]
+    if prompts_only and not kept_all:  # a prompt-only dataset, not a few bad rows
+        raise prompts_only_error(prompts_only, rows_read)
+    if bad_all and on_bad_row == "error":
+        raise DatasetError(f"{bad_all[0].message()} ({len(bad_all)} bad rows in all)")
+    if not kept_all:
+        raise DatasetError(f"{', '.join(map(str, paths))}: no usable conversations")
     tokens_dir = Path(tokens_dir)
     tokens_dir.mkdir(parents=True, exist_ok=True)
     for shard in shards:
         write_token_shard(shard, tokens_dir / f"{shard.shard_id}.safetensors")
-    frame = manifest_frame(kept, shards)
+    frame = manifest_frame(kept_all, shards)
     tmp = Path(str(manifest_path) + ".tmp")
     frame.to_parquet(tmp, index=False)
     tmp.replace(manifest_path)
-    pd.DataFrame(
-        [
-            {
-                "source_file": b.source_file,
-                "source_row": b.source_row,
-                "reason": b.reason,
-                "raw": b.raw,
-            }
-            for b in bad
-        ],
-        columns=["source_file", "source_row", "reason", "raw"],
-    ).to_json(rejects_path, orient="records", lines=True)
+    rejects = [
+        {
+            "stage": "shard",
+            "source_file": b.source_file,
+            "source_row": b.source_row,
+            "reason": b.reason,
+            "raw": b.raw,
+        }
+        for b in bad_all
+    ]
+    n_earlier = 0
+    for p in earlier_rejects:
+        for line in Path(p).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rejects.append({"stage": "regenerate", **json.loads(line)})
+                n_earlier += 1
+    write_rejects(rejects, rejects_path)
     summary = {
-        "conversations": len(kept),
-        "rejected": len(bad),
+        "conversations": len(kept_all),
+        "rejected": len(bad_all),
+        "rejected_by_regeneration": n_earlier,
         "shards": len(shards),
         "tokens": int(frame["n_tokens"].sum()),
         "loss_tokens": int(frame["n_loss_tokens"].sum()),
     }
     log(
-        f"sharded {dataset_path}: {summary}"
-        + (f"; {len(bad)} bad rows written to {rejects_path}" if bad else "")
+        f"sharded {len(paths)} file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''}): "
+        f"{rows_read} rows read, {len(kept_all)} kept, {len(bad_all)} rejected here"
+        + (f", {n_earlier} rejected by regeneration" if earlier_rejects else "")
+        + f"; {summary}"
+        + (f"; rejects written to {rejects_path}" if rejects else "")
     )
     return summary

@@ -59,8 +59,8 @@ def format_progress(plan: dict) -> str:
     est = plan["estimated_seconds"]
     eta = (
         f"{est / 60:.1f} min at {plan['measured_tokens_per_second']} tok/s and "
-        f"{plan['measured_engine_start_seconds']} s engine start per job (measured on finished "
-        "shards)"
+        f"{plan['measured_engine_start_seconds']} s engine start per job "
+        "(measured on finished shards)"
         if est is not None
         else "unknown until a shard has been extracted"
     )
@@ -71,5 +71,68 @@ def format_progress(plan: dict) -> str:
             f"tokens: {plan['tokens_total']} total, {plan['tokens_to_do']} to do",
             f"bytes to write: {plan['bytes_to_write'] / 2**30:.3f} GiB",
             f"estimated time: {eta}",
+        ]
+    )
+
+
+def regeneration_plan(sources: dict, regenerated_dir: str | Path, max_new_tokens: int) -> dict:
+    """What regeneration still has to do: source shards done and to do, user turns to answer,
+    chunks already committed, and an ETA from the finished shards' summaries (generated tokens
+    per reply and per second, engine start); before any, replies are assumed max_new_tokens
+    long and the ETA is unknown. Reads small JSON files only."""
+    d = Path(regenerated_dir)
+    done, summaries, todo_prompts, committed = 0, [], 0, 0
+    for s in sources["shards"]:
+        summary = d / f"{s['id']}.summary.json"
+        if (d / f"{s['id']}.jsonl").exists() and summary.exists():
+            done += 1
+            summaries.append(json.loads(summary.read_text()))
+        else:
+            todo_prompts += s["prompts"]
+            partial = d / ".partial" / s["id"]
+            committed += len(list(partial.glob("chunk-*.json"))) if partial.is_dir() else 0
+    measured = [r for r in summaries if r.get("replies_now") and r.get("tokens_per_second")]
+    tok_s = per_reply = start_s = None
+    if measured:
+        generated = sum(r["generated_tokens_now"] for r in measured)
+        tok_s = generated / sum(
+            r["generated_tokens_now"] / r["tokens_per_second"] for r in measured
+        )
+        per_reply = generated / sum(r["replies_now"] for r in measured)
+        start_s = sum(r["engine_start_s"] for r in measured) / len(measured)
+    n_todo = len(sources["shards"]) - done
+    tokens = todo_prompts * (per_reply or max_new_tokens)
+    return {
+        "source_shards_total": len(sources["shards"]),
+        "source_shards_done": done,
+        "source_shards_to_do": n_todo,
+        "rows_total": sources["rows_read"],
+        "prompts_to_do": todo_prompts,
+        "chunks_committed_in_unfinished_shards": committed,
+        "generated_tokens_to_do": round(tokens),
+        "measured_tokens_per_second": round(tok_s, 1) if tok_s else None,
+        "measured_tokens_per_reply": round(per_reply, 1) if per_reply else None,
+        "measured_engine_start_seconds": round(start_s, 1) if start_s else None,
+        "estimated_seconds": round(tokens / tok_s + n_todo * start_s, 1) if tok_s else None,
+    }
+
+
+def format_regeneration_plan(plan: dict) -> str:
+    est = plan["estimated_seconds"]
+    eta = (
+        f"{est / 60:.1f} min at {plan['measured_tokens_per_second']} generated tok/s, "
+        f"{plan['measured_tokens_per_reply']} tokens per reply and "
+        f"{plan['measured_engine_start_seconds']} s engine start per job (measured)"
+        if est is not None
+        else "unknown until a source shard has been regenerated"
+    )
+    return "\n".join(
+        [
+            f"regeneration source shards: {plan['source_shards_total']} total, "
+            f"{plan['source_shards_done']} done, {plan['source_shards_to_do']} to do "
+            f"({plan['chunks_committed_in_unfinished_shards']} chunks already committed)",
+            f"regeneration prompts to do: {plan['prompts_to_do']} of {plan['rows_total']} rows; "
+            f"about {plan['generated_tokens_to_do']} tokens to generate",
+            f"regeneration estimated time: {eta}",
         ]
     )

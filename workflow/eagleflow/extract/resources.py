@@ -130,3 +130,21 @@ def extract_runtime_minutes(
         + STARTUP_MINUTES
     )
     return math.ceil(est) * max(1, attempt)
+
+
+def measured_regeneration(regenerated_dir: str | Path) -> tuple[float | None, float | None]:
+    """(median generated tokens/s, longest engine start in s) over the summaries of finished
+    regeneration shards that loaded the model; None where none has measured it yet."""
+    rates, starts = [], []
+    d = Path(regenerated_dir)
+    if d.is_dir():
+        for p in d.glob("*.summary.json"):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("model_loaded") and rec.get("tokens_per_second"):
+                rates.append(float(rec["tokens_per_second"]))
+                starts.append(float(rec.get("engine_start_s") or 0))
+    starts = [s for s in starts if s > 0]
+    return (statistics.median(rates) if rates else None, max(starts) if starts else None)

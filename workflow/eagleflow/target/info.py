@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow.logs import UserError
+
 DEEPSEEK_V2_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 DENSE_FAMILY = {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"}
 # Multimodal wrappers whose text model sits under `text_config` (Kimi-K2.5).
@@ -22,7 +24,7 @@ TOKENIZER_FILES = (
 )
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     pass
 
 
