@@ -23,6 +23,10 @@ rule extract_shard:
         f"{R}/logs/extract/{{fp}}/{{shard}}.log",
     benchmark:
         f"{R}/benchmarks/extract/{{fp}}/{{shard}}.tsv"
+    # extract.shards_per_allocation > 1: N shards per SLURM allocation, served by one engine
+    # (resources.smk, docs/engine-reuse.md); None otherwise (and always when run locally).
+    group:
+        EXTRACT_GROUP
     conda:
         CONDA_ENV
     # One engine per machine when run locally (it uses every core); on a cluster the job asks

@@ -23,12 +23,17 @@ def extract_mem_mb(wildcards):
 
 
 def extract_runtime(wildcards, input, attempt):
+    """Minutes for one shard; in a group of N sharing one engine, each job carries 1/N of the
+    load, so the allocation's limit (the sum over its jobs) holds one load."""
     tokens_per_second, engine_start_s = measured_rates(wildcards.fp)
     n_tokens = jobres.shard_tokens(input.tokens)
+    load = engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"]
+    if EXTRACT_GROUP and EXTRACT["engine_reuse"]:
+        load /= SHARDS_PER_ALLOCATION
     return jobres.extract_runtime_minutes(
         n_tokens,
         tokens_per_second or EXTRACT["tokens_per_second"],
-        engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"],
+        load,
         jobres.verify_minutes(
             n_tokens, len(layer_ids()), read_target(TARGET).hidden_size
         ),
@@ -59,3 +64,13 @@ def extract_threads(wildcards):
 def all_cores_or(n):
     """threads: every core locally, n CPUs per job on a cluster."""
     return lambda wildcards: local_cores(wildcards) or n
+
+
+# Engine reuse on a cluster (docs/engine-reuse.md#on-slurm): extract jobs in group "extract",
+# N to an allocation with `--group-components extract=N --cores <CPUs of one extract job>`,
+# run one after another there, the engine server started by the first serving the others.
+# Snakemake stacks a group's jobs (runtime summed, GPUs and CPUs of one job) only when two of
+# them do not fit side by side in --cores; with more cores it asks for N times the GPUs.
+# Local runs ignore groups.
+SHARDS_PER_ALLOCATION = EXTRACT["shards_per_allocation"]
+EXTRACT_GROUP = "extract" if SHARDS_PER_ALLOCATION > 1 else None

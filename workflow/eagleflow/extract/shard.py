@@ -16,8 +16,8 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
 from eagleflow.data.shards import read_token_shard
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.server import EngineClient, ServerSpec
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.dtypes import torch_dtype
 from eagleflow.store.headers import read_header
@@ -138,17 +139,26 @@ def extract_shard(
     settings: EngineSettings,
     chunk_tokens: int,
     log=print,
+    server: ServerSpec | None = None,
 ) -> dict:
     """Extract one shard; write the shard file, then its record (both atomically), verify it and
     write the report, and only then drop the committed chunks, so a kill at any point loses at
     most the chunk in flight (a kill during verification re-assembles without loading the
-    model). A shard that fails verification goes to quarantine with its chunks (ShardInvalid)."""
+    model). A shard that fails verification goes to quarantine with its chunks (ShardInvalid).
+
+    `server`: prefill through the shared engine server of that spec (started if none runs;
+    eagleflow.extract.server) instead of loading an engine for this shard alone. The client
+    stays connected until the shard is verified, so the server's idle clock starts when the
+    job ends."""
     shard = read_token_shard(tokens_path)
     plan = plan_for_pipeline(plan, read_target(settings.target), settings.pipeline_parallel_size)
+    if server is not None:  # the server captures as this job would
+        server = replace(server, plan=plan)
     chunks = shard_chunks(shard, plan, outputs.hidden, chunk_tokens)
     timings = Timings()
     t_start = time.perf_counter()
-    with shard_lock(chunks.partial_dir, shard.shard_id):
+    engine = {"server": server is not None, "loaded_here": False, "server_pid": None}
+    with shard_lock(chunks.partial_dir, shard.shard_id), ExitStack() as stack:
         todo = chunks.todo()
         log(
             f"shard {shard.shard_id}: {len(shard.sample_ids)} samples, "
@@ -156,30 +166,44 @@ def extract_shard(
             f"{len(chunks.ranges) - len(todo)} already committed"
         )
         tokens_done = 0
-        if todo:
+        if todo and server is not None:
+            client = stack.enter_context(EngineClient(server, log))
+            timings.seconds["engine_start"] = client.wait_seconds
+            engine.update(loaded_here=client.started_here, server_pid=client.server_pid)
+            figures = client.prefill(tokens_path, outputs.hidden, chunk_tokens)
+            tokens_done = figures.pop("tokens")
+            figures.pop("chunks")
+            for k, v in figures.items():
+                if k != "engine_start":
+                    timings.seconds[k] = timings.seconds.get(k, 0.0) + v
+        elif todo:
             with timings.phase("engine_start"):
                 llm = start_capture_engine(settings, plan, chunks.partial_dir)
+            engine["loaded_here"] = True
             try:
                 tokens_done = run_chunks(llm, chunks, todo, plan, timings)
             finally:
                 stop_capture_engine(llm)
         with timings.phase("assemble"):
             sha, size = assemble_shard(chunks, plan, outputs.hidden)
-    record = shard_record(chunks, plan, outputs.hidden, (sha, size), bool(todo), tokens_done)
-    record["seconds"] = timings.rounded(time.perf_counter() - t_start)
-    prefill = timings.seconds["prefill_and_capture"] + timings.seconds["commit_wait"]
-    record["tokens_per_second"] = round(tokens_done / prefill, 1) if prefill > 0 else None
-    tmp = Path(str(outputs.record) + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, outputs.record)
-    report = verify_extracted_shard(
-        outputs.hidden,
-        shard,
-        record,
-        Expected.of(plan, settings.dtype),
-        outputs.report,
-        partial_dir=chunks.partial_dir,
-    )
+        record = shard_record(
+            chunks, plan, outputs.hidden, (sha, size), engine["loaded_here"], tokens_done
+        )
+        record["engine"] = engine
+        record["seconds"] = timings.rounded(time.perf_counter() - t_start)
+        prefill = timings.seconds["prefill_and_capture"] + timings.seconds["commit_wait"]
+        record["tokens_per_second"] = round(tokens_done / prefill, 1) if prefill > 0 else None
+        tmp = Path(str(outputs.record) + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, outputs.record)
+        report = verify_extracted_shard(
+            outputs.hidden,
+            shard,
+            record,
+            Expected.of(plan, settings.dtype),
+            outputs.report,
+            partial_dir=chunks.partial_dir,
+        )
     log(f"shard {shard.shard_id}: verified in {report['verify_seconds']} s")
     shutil.rmtree(chunks.partial_dir, ignore_errors=True)
     return record
@@ -205,8 +229,11 @@ def shard_record(chunks: ShardChunks, plan, path: Path, hashed, model_loaded, to
     }
 
 
-def run_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings) -> int:
-    """Prefill the chunks in `todo` through one continuously fed engine loop.
+def run_chunks(
+    llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings, progress=None
+) -> int:
+    """Prefill the chunks in `todo` through one continuously fed engine loop; the progress bar
+    goes to `progress` (a file; stderr by default, the client's log under an engine server).
 
     Requests go in chunk by chunk while fewer than two engine batches of tokens are queued
     (`max_num_batched_tokens` each), so every forward is as full as in one plain `generate`
@@ -232,7 +259,7 @@ def run_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, tim
         unit="tok",
         unit_scale=True,
         desc=f"extract {shard.shard_id}",
-        file=sys.stderr,
+        file=progress or sys.stderr,
         mininterval=2.0,
     ) as bar:
         with timings.phase("prefill_and_capture"):

@@ -1,0 +1,231 @@
+"""One model load serves many shards (eagleflow.extract.server, docs/engine-reuse.md).
+
+Locally, `snakemake --cores N extract` runs the extract jobs one after another; the first
+starts an engine server and the others send it their shards. Every shard stays its own job:
+its own files, log, record and verification. The loads are counted in the server logs (one
+`LOADED` line per model load); every shard is checked per sample against the per-shard path
+(tokens equal, states within the CPU engine's run-to-run noise), and the kill tests show that
+a SIGKILL of the whole run, or of the engine alone, leaves only committed chunks that a rerun
+keeps."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagleflow.extract.server import LOADED
+from support.workflow_runner import (
+    REPO,
+    SMALL,
+    SNAKEMAKE,
+    hidden_dir,
+    merged,
+    snakemake,
+    write_config,
+)
+
+pytestmark = pytest.mark.vllm
+
+# The small default cut into 13 shards of 32 conversations (about 900 tokens each).
+MANY = merged(SMALL, {"data": {"shard_size": 32}})
+# Chunks of about 200 tokens and small forwards, so a kill lands inside a shard.
+MANY_CHUNKED = merged(MANY, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
+
+
+def engine_loads(workdir) -> int:
+    """Model loads of a run's engine servers: one LOADED line per load in their logs."""
+    logs = (workdir / "results" / "logs" / "extract").glob("*/engine-*.log")
+    return sum(p.read_text().count(LOADED) for p in logs)
+
+
+def shard_files(workdir):
+    return sorted(hidden_dir(workdir).glob("*.safetensors"))
+
+
+def samples(path):
+    """{sample_id: (input_ids, hidden_states)} of a finished shard file."""
+    with safe_open(str(path), framework="pt") as f:
+        ids = json.loads(f.metadata()["sample_ids"])
+    t = load_file(str(path))
+    off = t["offsets"].tolist()
+    return {
+        s: (t["input_ids"][off[i] : off[i + 1]], t["hidden_states"][off[i] : off[i + 1]])
+        for i, s in enumerate(ids)
+    }
+
+
+def assert_same_samples(work, reference):
+    ref = {}
+    for p in shard_files(reference):
+        ref.update(samples(p))
+    n = 0
+    rels = []
+    for p in shard_files(work):
+        for sid, (ids, states) in samples(p).items():
+            ref_ids, ref_states = ref[sid]
+            assert torch.equal(ids, ref_ids), sid
+            a, b = states.float(), ref_states.float()
+            rels.append(((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten())
+            n += 1
+    assert n == len(ref), (n, len(ref))
+    # Run-to-run noise of the CPU engine (bf16, batch composition): as tests/test_resume.py.
+    rel = torch.cat(rels)
+    assert float(rel.median()) < 0.02 and float((rel < 0.1).float().mean()) > 0.9
+
+
+@pytest.fixture(scope="module")
+def per_shard_reference(tmp_path_factory):
+    """The same conversations through the per-shard path (one engine per job, 4 shards)."""
+    work = tmp_path_factory.mktemp("per-shard")
+    snakemake(work, "extract", config=merged(SMALL, {"extract": {"engine_reuse": False}}))
+    records = [json.loads(p.with_suffix(".json").read_text()) for p in shard_files(work)]
+    assert all(r["model_loaded"] and not r["engine"]["server"] for r in records)
+    assert engine_loads(work) == 0
+    return work
+
+
+def test_thirteen_shards_one_load_same_states_as_per_shard(per_shard_reference, tmp_path):
+    work = tmp_path / "reuse"
+    work.mkdir()
+    snakemake(work, "extract", config=MANY)
+    files = shard_files(work)
+    assert len(files) >= 12
+    assert engine_loads(work) == 1
+    records = [json.loads(p.with_suffix(".json").read_text()) for p in files]
+    assert all(r["engine"]["server"] for r in records)
+    assert sum(r["model_loaded"] for r in records) == 1
+    assert len({r["engine"]["server_pid"] for r in records}) == 1
+    for r in records:  # every shard's own log has its progress and figures
+        log = work / "results" / "logs" / "extract" / r["fingerprint"] / f"{r['shard_id']}.log"
+        text = log.read_text()
+        assert f"extract {r['shard_id']}" in text and "verified in" in text
+    assert_same_samples(work, per_shard_reference)
+    # A no-op rerun runs no extract job, so it loads nothing.
+    out = snakemake(work, "extract", config=MANY)
+    assert "extract_shard" not in out.stdout + out.stderr
+    assert engine_loads(work) == 1
+
+
+def start_run(workdir, config):
+    cmd = [
+        SNAKEMAKE,
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(write_config(workdir, config)),
+        "--cores",
+        "2",
+        "extract",
+    ]
+    log = open(workdir / "run.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+
+
+def wait_for(proc, what, cond, timeout=900):
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"{what} never happened"
+        time.sleep(0.2)
+
+
+def partial_chunks(workdir):
+    d = workdir / "results" / "hidden"
+    return sorted(d.glob("*/.partial/*/chunk-*.safetensors")) if d.exists() else []
+
+
+def finished(workdir):
+    d = workdir / "results" / "hidden"
+    return list(d.glob("*/*.verify.json")) if d.exists() else []
+
+
+def server_pids(workdir):
+    pids = []
+    for p in (workdir / "results" / "logs" / "extract").glob("*/engine-*.log"):
+        pids += [int(m) for m in re.findall(r"engine server \w+: pid (\d+)", p.read_text())]
+    return pids
+
+
+def gone(pid, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
+    work = tmp_path / "killed"
+    work.mkdir()
+    proc = start_run(work, MANY_CHUNKED)
+    try:
+        # Two shards finished and a third one part-way: one chunk committed.
+        wait_for(
+            proc,
+            "the kill point",
+            lambda: len(finished(work)) >= 2 and len(partial_chunks(work)) >= 1,
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = {p: load_file(str(p)) for p in partial_chunks(work)}
+    assert kept
+    # The server belongs to the killed run: it stops by itself (it is in its own session).
+    (pid,) = server_pids(work)
+    assert gone(pid), "the engine server outlived the killed run"
+    snakemake(work, "--unlock", config=MANY_CHUNKED)
+    snakemake(work, "extract", config=MANY_CHUNKED)
+    files = shard_files(work)
+    assert len(files) >= 12 and len(finished(work)) == len(files)
+    assert engine_loads(work) == 2  # one per run
+    assert not partial_chunks(work)
+    # Every chunk the kill left committed is in its shard, byte for byte.
+    for path, chunk in kept.items():
+        shard_id = path.parent.name
+        t = load_file(str(hidden_dir(work) / f"{shard_id}.safetensors"))
+        ids = t["input_ids"]
+        n = len(chunk["input_ids"])
+        starts = [
+            i
+            for i in range(len(ids) - n + 1)
+            if torch.equal(ids[i : i + n], chunk["input_ids"])
+            and torch.equal(t["hidden_states"][i : i + n], chunk["hidden_states"])
+        ]
+        assert starts, f"chunk {path.name} of {shard_id} not kept"
+
+
+def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp_path):
+    work = tmp_path / "engine-killed"
+    work.mkdir()
+    proc = start_run(work, MANY_CHUNKED)
+    try:
+        wait_for(proc, "a shard in flight", lambda: len(partial_chunks(work)) >= 1)
+        (pid,) = server_pids(work)
+        in_flight = {p.parent.name for p in partial_chunks(work)}
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    logs = work / "results" / "logs" / "extract"
+    failed = [p for p in logs.glob("*/*.log") if "died while prefilling" in p.read_text()]
+    assert {p.stem for p in failed} == in_flight
+    for p in failed:  # the server log's tail is in the shard's log
+        assert "engine server" in p.read_text().split("died while prefilling", 1)[1]
+    snakemake(work, "extract", config=MANY_CHUNKED)
+    files = shard_files(work)
+    assert len(files) >= 12 and len(finished(work)) == len(files)
+    assert engine_loads(work) == 2
