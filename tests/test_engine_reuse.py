@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagleflow.extract.server import LOADED
+from eagleflow.extract.client import LOADED
 from support.workflow_runner import (
     REPO,
     SMALL,

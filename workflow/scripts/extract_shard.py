@@ -3,8 +3,8 @@ from pathlib import Path
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.client import ServerSpec, snakemake_ancestor
 from eagleflow.extract.preflight import check_devices_for
-from eagleflow.extract.server import ServerSpec, snakemake_ancestor
 from eagleflow.extract.shard import ShardOutputs, extract_shard
 from eagleflow.logs import redirect_to_log
 from eagleflow.store.verify import ShardInvalid

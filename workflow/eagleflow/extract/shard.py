@@ -29,7 +29,7 @@ from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
 from eagleflow.data.shards import read_token_shard
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.server import EngineClient, ServerSpec
+from eagleflow.extract.client import EngineClient, ServerSpec
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.dtypes import torch_dtype
 from eagleflow.store.headers import read_header

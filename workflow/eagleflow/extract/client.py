@@ -1,0 +1,249 @@
+"""The extract job's side of a shared engine (docs/engine-reuse.md); the server is
+`eagleflow.extract.server`.
+
+The first extract job that has chunks to prefill starts a detached server process
+(`python -m eagleflow.extract.server SPEC`), under a file lock so two jobs never start two.
+The server loads the target with the capture hooks installed, then listens on a Linux abstract
+unix socket (per host, nothing to clean up) with an authkey kept in a 0600 file. Each extract
+job stays its own Snakemake job (outputs, shard lock, chunk resume, assembly, record,
+verification, log): it connects as a client and asks the server to prefill its shard. The
+server recomputes the shard's missing chunks itself when the request starts, runs the same
+`run_chunks` as a per-shard engine, streams its progress lines to the client and ends with the
+figures or the full traceback, which the client prints in the shard's log.
+
+The server serves one request at a time and exits when it has been idle (no client connected)
+for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
+failed request (a fresh server starts clean). A client whose server dies gets EOF and fails
+with the tail of the server's log (the engine's traceback); the rerun starts a new server and
+resumes from the committed chunks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Client
+from pathlib import Path
+
+from eagleflow.capture.plan import CapturePlan
+from eagleflow.engine.settings import EngineSettings
+
+LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
+READY_TIMEOUT_S = 6 * 3600  # a load that never finishes still ends (the job's time limit first)
+
+
+def snakemake_ancestor(pid: int | None = None) -> int | None:
+    """The outermost ancestor process whose command line names snakemake: the run the server
+    belongs to locally. None under SLURM (each job runs in its own step there; the allocation's
+    end or the idle timeout ends the server) or when there is none."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return None
+    found, pid = None, os.getppid() if pid is None else pid
+    while pid > 1:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        if b"snakemake" in cmd:
+            found = pid
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # ppid, after the command name
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What a server loads and where it lives; its key names the socket, lock and files."""
+
+    settings: EngineSettings
+    plan: CapturePlan
+    engine_dir: Path  # <hidden>/.engine: lock, spec, address file
+    log_dir: Path  # the extraction's log directory: engine-<key>.log
+    idle_seconds: float
+    watch_pid: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Same settings, plan, results directory, host and allocation: same server."""
+        ident = {
+            "settings": asdict(self.settings),
+            "plan": self.plan.to_json(),
+            "dir": str(Path(self.engine_dir).resolve()),
+            "host": socket.gethostname(),
+            "allocation": os.environ.get("SLURM_JOB_ID", ""),
+        }
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def address(self) -> str:
+        return f"\0eagleflow-engine-{self.key}"  # Linux abstract namespace: per host
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_dir) / f"engine-{self.key}.log"
+
+    def file(self, suffix: str) -> Path:
+        return Path(self.engine_dir) / f"{self.key}{suffix}"
+
+    def to_json(self) -> dict:
+        return {
+            "settings": asdict(self.settings),
+            "plan": self.plan.to_json(),
+            "engine_dir": str(self.engine_dir),
+            "log_dir": str(self.log_dir),
+            "idle_seconds": self.idle_seconds,
+            "watch_pid": self.watch_pid,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ServerSpec:
+        return cls(
+            EngineSettings(**d["settings"]),
+            CapturePlan.from_json(d["plan"]),
+            Path(d["engine_dir"]),
+            Path(d["log_dir"]),
+            float(d["idle_seconds"]),
+            d["watch_pid"],
+        )
+
+
+def log_tail(path: Path, n_chars: int = 6000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n_chars:]
+    except OSError:
+        return "(no server log)"
+
+
+class ServerGone(RuntimeError):
+    pass
+
+
+class EngineClient:
+    """An extract job's connection to the engine server of `spec` (started if needed)."""
+
+    def __init__(self, spec: ServerSpec, log=print):
+        self.spec, self.log = spec, log
+        self.conn = None
+        self.started_here = False
+        self.wait_seconds = 0.0
+        self.server_pid = None
+
+    def __enter__(self) -> EngineClient:
+        t0 = time.perf_counter()
+        for attempt in range(3):
+            try:
+                self._connect_or_start()
+                break
+            except ServerGone:
+                if attempt == 2:
+                    raise
+        self.wait_seconds = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc):
+        if self.conn is not None:
+            try:
+                self.conn.send(("bye",))
+            except OSError:
+                pass
+            self.conn.close()
+
+    def _try_connect(self) -> bool:
+        try:
+            authkey = bytes.fromhex(self.spec.file(".key").read_text())
+            conn = Client(self.spec.address, family="AF_UNIX", authkey=authkey)
+            hello = conn.recv()
+        except (OSError, EOFError, ValueError):
+            return False
+        self.conn, self.server_pid = conn, hello[1]
+        return True
+
+    def _connect_or_start(self) -> None:
+        spec = self.spec
+        Path(spec.engine_dir).mkdir(parents=True, exist_ok=True)
+        fd = os.open(spec.file(".lock"), os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one starter; others wait for its server
+            if self._try_connect():
+                self.log(f"engine: reusing server pid {self.server_pid} ({spec.log_path})")
+                return
+            self._start()
+        finally:
+            os.close(fd)
+
+    def _start(self) -> None:
+        spec = self.spec
+        keyfile = spec.file(".key")
+        keyfile.unlink(missing_ok=True)
+        fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log(f"engine: starting a server, log {spec.log_path}")
+        with open(spec.log_path, "a") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "eagleflow.extract.server", str(spec.file(".spec.json"))],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,  # outlives this job; never gets the job's signals
+                cwd=os.getcwd(),
+            )
+        deadline = time.time() + READY_TIMEOUT_S
+        while not self._try_connect():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the engine server exited ({proc.returncode}) while starting; "
+                    f"its log {spec.log_path} ends:\n{log_tail(spec.log_path)}"
+                )
+            if time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
+            time.sleep(0.5)
+        self.started_here = True
+        self.log(f"engine: server pid {self.server_pid} started")
+
+    def prefill(self, tokens_path, hidden_path, chunk_tokens: int, progress=sys.stderr) -> dict:
+        """Ask the server to prefill the shard's missing chunks; its progress lines go to
+        `progress`. Returns the server's figures {tokens, chunks, seconds}."""
+        request = {
+            "tokens": str(Path(tokens_path).resolve()),
+            "hidden": str(Path(hidden_path).resolve()),
+            "chunk_tokens": chunk_tokens,
+        }
+        try:
+            self.conn.send(("prefill", request))
+            while True:
+                msg = self.conn.recv()
+                if msg[0] == "log":
+                    progress.write(msg[1])
+                    progress.flush()
+                elif msg[0] == "done":
+                    return msg[1]
+                elif msg[0] == "error":
+                    raise RuntimeError(f"the engine server failed on this shard:\n{msg[1]}")
+        except (EOFError, OSError) as e:
+            raise RuntimeError(
+                f"the engine server (pid {self.server_pid}) died while prefilling this shard "
+                f"({type(e).__name__}); its log {self.spec.log_path} ends:\n"
+                f"{log_tail(self.spec.log_path)}"
+            ) from None
