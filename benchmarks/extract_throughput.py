@@ -3,10 +3,13 @@
 On the same target, samples and engine settings (one engine, so start-up is paid once and
 reported apart), alternating at least three times each and compared by medians:
   1. plain vLLM prefill of the shard's samples (`max_tokens=1`, no capture): the engine's limit;
-  2. eagleflow's extraction of the same samples: capture, chunk commits and the shard file.
+  2. eagleflow's extraction of the same samples: the shard file created, capture, rows written
+     into it in place with their chunk commits, and the file linked into place.
 Prints tokens per second for each, their ratio (last line `ratio=<value>`), bytes written per
 second, where the extraction's wall time went, and the peak resident memory of the whole
 process tree (driver, engine, workers) while extracting a shard and one four times larger.
+The verification read that follows every extraction (and hashes the file) is timed apart: it
+is the same read in any storage design, and no engine time.
 
 The target is the embedded architecture (DeepseekV3, MLA + MoE) at a larger hidden size,
 built by the same fixture code, so compute dominates Python overhead.
@@ -24,6 +27,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,13 +42,15 @@ from eagleflow.data.templating import tokenize_conversation, tokenizer_digest  #
 from eagleflow.engine.settings import EngineSettings  # noqa: E402
 from eagleflow.extract.shard import (  # noqa: E402
     Timings,
-    assemble_shard,
+    finish_shard,
+    prepare_shard_file,
     run_chunks,
     start_capture_engine,
 )
 from eagleflow.fixtures.bundled_data import generate_conversations  # noqa: E402
 from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
 from eagleflow.store.chunks import ShardChunks  # noqa: E402
+from eagleflow.store.verify import Expected, verify_shard  # noqa: E402
 from eagleflow.target.info import count_parameters, read_target  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
 
@@ -132,14 +138,21 @@ def plain_prefill(llm, shard) -> float:
 def eagleflow_extract(llm, shard, plan, workdir: Path, chunk_tokens: int):
     shutil.rmtree(workdir, ignore_errors=True)
     out = workdir / f"{shard.shard_id}.safetensors"
-    chunks = ShardChunks.plan(shard, "bench", out, chunk_tokens)
-    chunks.partial_dir.mkdir(parents=True)
+    chunks = ShardChunks.plan(shard, plan.fingerprint, out, chunk_tokens)
     timings = Timings()
     t0 = time.perf_counter()
-    run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, timings)
-    with timings.phase("assemble"):
-        sha, size = assemble_shard(chunks, plan, out)
-    return time.perf_counter() - t0, size, timings.seconds
+    with timings.phase("prepare"):
+        shard_file = prepare_shard_file(chunks, plan, "bfloat16")
+    run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, shard_file, timings)
+    with timings.phase("finish"):
+        size = finish_shard(chunks, out)
+    seconds = time.perf_counter() - t0
+    record = {"bytes": size, "fingerprint": plan.fingerprint, "shard_id": shard.shard_id}
+    t1 = time.perf_counter()
+    result = verify_shard(out, shard, record, Expected.of(plan, "bfloat16"))
+    assert result["ok"], result["problems"]
+    timings.seconds["verify_read_apart"] = time.perf_counter() - t1
+    return seconds, size, timings.seconds
 
 
 def main():
@@ -174,6 +187,7 @@ def main():
     plan = make_plan(
         info, default_layer_ids(info.num_layers), "auto", storage_dtype=args.storage_dtype
     )
+    plan = replace(plan, fingerprint="bench")
     max_len = max(int(max(s.offsets[1:] - s.offsets[:-1])) for s in shards.values()) + 1
     settings = EngineSettings(
         target=str(target), max_model_len=max_len, max_num_batched_tokens=8192

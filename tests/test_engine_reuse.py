@@ -140,7 +140,7 @@ def wait_for(proc, what, cond, timeout=900):
 
 def partial_chunks(workdir):
     d = workdir / "results" / "hidden"
-    return sorted(d.glob("*/.partial/*/chunk-*.safetensors")) if d.exists() else []
+    return sorted(d.glob("*/.partial/*/chunk-*.json")) if d.exists() else []
 
 
 def finished(workdir):

@@ -26,7 +26,7 @@ from eagleflow.capture.plan import Strategy
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards
 from eagleflow.data.templating import Tokenized
-from eagleflow.extract.shard import assemble_shard
+from eagleflow.extract.shard import chunk_targets, finish_shard, prepare_shard_file
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.headers import read_header
 from support.synthetic import PLAN as SYNTHETIC_PLAN
@@ -105,37 +105,38 @@ def outputs_for(tmp_path, kv_cache, prompts=PROMPTS, blocks=BLOCKS, names=None):
     return outs
 
 
-def test_connector_files_become_an_eagleflow_chunk_and_shard(tmp_path):
+def shard_of(prompts):
+    toks = [
+        Tokenized(np.array(p, dtype=np.int64), np.ones(len(p), dtype=np.uint8)) for p in prompts
+    ]
+    convs = [Conversation(f"s{i}", (), "t", i) for i in range(len(prompts))]
+    return build_shards(convs, toks, len(prompts), "t")[0]
+
+
+def one_chunk(tmp_path, plan=PLAN, prompts=PROMPTS):
+    """The shard of `prompts` as one chunk: its chunks, shard file and the chunk's target."""
+    shard = shard_of(prompts)
+    chunks = ShardChunks.plan(shard, "fp", tmp_path / "shard.safetensors", 10_000)
+    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
+    return chunks, chunk_targets(chunks, plan, shard_file, 0)["0"]
+
+
+def test_connector_files_become_rows_of_the_eagleflow_shard(tmp_path):
     kv_cache, truth = engine_run(tmp_path, PROMPTS, BLOCKS)
     outs = outputs_for(tmp_path, kv_cache)
-    chunk = tmp_path / "chunk-00000.safetensors"
-    n = commit_from_connector(
-        outs, PROMPTS, PLAN, torch.bfloat16, chunk, {"chunk": 0, "samples": [0, 3]}
-    )
-    assert n == sum(map(len, PROMPTS))
-    with safe_open(str(chunk), framework="pt") as f:
-        assert sorted(f.keys()) == [
-            "hidden_states",
-            "input_ids",
-        ]  # what the worker strategies commit
-        assert torch.equal(
-            f.get_tensor("hidden_states"), torch.cat(truth)
-        )  # bit for bit, in prompt order
-        assert f.get_tensor("input_ids").dtype == torch.int64
-        assert f.get_tensor("input_ids").tolist() == sum(PROMPTS, [])
+    chunks, target = one_chunk(tmp_path)
+    n = commit_from_connector(outs, PROMPTS, PLAN, torch.bfloat16, target)
+    assert n == sum(map(len, PROMPTS)) and chunks.todo() == []  # committed by its marker
     # The connector's files and locks are gone once the chunk is committed.
     assert os.listdir(tmp_path / "connector") == []
 
-    # Assembled like any other strategy's chunks: same keys, dtypes and layout.
-    toks = [
-        Tokenized(np.array(p, dtype=np.int64), np.ones(len(p), dtype=np.uint8)) for p in PROMPTS
-    ]
-    shard = build_shards([Conversation(f"s{i}", (), "t", i) for i in range(3)], toks, 3, "t")[0]
+    # Finished like any other strategy's shard: same keys, dtypes and layout, states bit for
+    # bit in prompt order.
     out = tmp_path / "shard.safetensors"
-    chunks = ShardChunks.plan(shard, "fp", out, 10_000)
-    chunks.partial_dir.mkdir(parents=True)
-    os.replace(chunk, chunks.path(0))
-    assemble_shard(chunks, PLAN, out)
+    finish_shard(chunks, out)
+    with safe_open(str(out), framework="pt") as f:
+        assert torch.equal(f.get_tensor("hidden_states"), torch.cat(truth))
+        assert f.get_tensor("input_ids").tolist() == sum(PROMPTS, [])
     header, _ = read_header(out)
     layout = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
     assert layout == {
@@ -162,34 +163,34 @@ def test_a_write_in_flight_is_waited_for(tmp_path):
 
 def test_mismatches_are_refused_naming_the_request(tmp_path):
     kv_cache, _ = engine_run(tmp_path, PROMPTS, BLOCKS)
-    chunk = tmp_path / "chunk.safetensors"
+    chunks, target = one_chunk(tmp_path)
     # Tokens that are not the sample's.
     outs = outputs_for(tmp_path / "a", kv_cache)
     wrong = [PROMPTS[0], [7, 8, 9, 10, 12], PROMPTS[2]]
     with pytest.raises(ConnectorFileError, match="token ids differ from the sample's tokens"):
-        commit_from_connector(outs, wrong, PLAN, torch.bfloat16, chunk, {})
+        commit_from_connector(outs, wrong, PLAN, torch.bfloat16, target)
     # A file named after another request (rows of one request in another's sample).
     outs = outputs_for(tmp_path / "b", kv_cache, names={1: "2-ffff0000"})
     with pytest.raises(ConnectorFileError, match="request 1: its hidden states file .*2-ffff0000"):
-        commit_from_connector(outs, PROMPTS, PLAN, torch.bfloat16, chunk, {})
+        commit_from_connector(outs, PROMPTS, PLAN, torch.bfloat16, target)
     # Another layer count than planned.
     outs = outputs_for(tmp_path / "c", kv_cache)
     with pytest.raises(
         ConnectorFileError, match=r"shape \[21, 4, 32\], expected \[tokens, 3, 32\]"
     ):
         commit_from_connector(
-            outs, PROMPTS, replace(PLAN, layer_ids=[2, 4, 8]), torch.bfloat16, chunk, {}
+            outs, PROMPTS, replace(PLAN, layer_ids=[2, 4, 8]), torch.bfloat16, target
         )
     # Another dtype than the engine's.
     with pytest.raises(ConnectorFileError, match="bfloat16, the engine's dtype is torch.float16"):
-        commit_from_connector(outs, PROMPTS, PLAN, torch.float16, chunk, {})
+        commit_from_connector(outs, PROMPTS, PLAN, torch.float16, target)
     # No connector at all.
     bare = [SimpleNamespace(request_id="0", kv_transfer_params=None)]
     with pytest.raises(
         ConnectorFileError,
         match="no hidden_states_path .*not started with ExampleHiddenStatesConnector",
     ):
-        commit_from_connector(bare, PROMPTS[:1], PLAN, torch.bfloat16, chunk, {})
+        commit_from_connector(bare, PROMPTS[:1], PLAN, torch.bfloat16, target)
     # A file that never came.
     gone = [
         SimpleNamespace(
@@ -198,5 +199,5 @@ def test_mismatches_are_refused_naming_the_request(tmp_path):
         )
     ]
     with pytest.raises(ConnectorFileError, match="wrote no file"):
-        commit_from_connector(gone, PROMPTS[:1], PLAN, torch.bfloat16, chunk, {})
-    assert not chunk.exists()
+        commit_from_connector(gone, PROMPTS[:1], PLAN, torch.bfloat16, target)
+    assert chunks.todo() == [0]  # nothing committed

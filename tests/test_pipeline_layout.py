@@ -106,16 +106,16 @@ def _shard(lengths):
     return build_shards(convs, toks, len(convs), "t")[0]
 
 
-def test_chunk_files_per_capturing_stage(tmp_path):
+def test_chunk_markers_per_capturing_stage(tmp_path):
     shard = _shard([5, 7, 9])
     single = ShardChunks.plan(shard, "fp", tmp_path / "s.safetensors", 10)
-    assert [p.name for p in single.paths(0)] == ["chunk-00000.safetensors"]
-    # One capturing stage: the same file name as without a pipeline.
+    assert [p.name for p in single.paths(0)] == ["chunk-00000.json"]
+    # One capturing stage: the same marker name as without a pipeline.
     assert ShardChunks.plan(shard, "fp", tmp_path / "s.safetensors", 10, (1,)).stages == ()
     staged = ShardChunks.plan(shard, "fp", tmp_path / "s.safetensors", 10, (0, 1))
     assert [p.name for p in staged.paths(2)] == [
-        "chunk-00002.stage-0.safetensors",
-        "chunk-00002.stage-1.safetensors",
+        "chunk-00002.stage-0.json",
+        "chunk-00002.stage-1.json",
     ]
     assert staged.todo() == [0, 1, 2]
 

@@ -23,7 +23,13 @@ from test_reference import (
 from eagleflow.capture.plan import CapturePlan, make_plan
 from eagleflow.capture.reference import load_reference_model
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.shard import Timings, assemble_shard, run_chunks, shard_chunks
+from eagleflow.extract.shard import (
+    Timings,
+    finish_shard,
+    prepare_shard_file,
+    run_chunks,
+    shard_chunks,
+)
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.fixtures.tiny_target import build_tiny_target
 from eagleflow.target.layers import default_layer_ids
@@ -40,17 +46,17 @@ def deepseek(tmp_path_factory):
 
 
 def capture(llm, shard, plan, workdir, chunk_tokens=400):
-    """The code path of `extract_shard` after the engine start, returning the assembled states
-    and the shard file's input ids."""
+    """The code path of `extract_shard` after the engine start, returning the shard file's
+    states and input ids and the chunk markers written."""
     out = workdir / f"{shard.shard_id}.safetensors"
     chunks = shard_chunks(shard, plan, out, chunk_tokens)
-    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
     llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
     try:
         assert len(chunks.ranges) >= 3
-        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, Timings())
-        files = sorted(p.name for p in chunks.partial_dir.glob("chunk-*.safetensors"))
-        assemble_shard(chunks, plan, out)
+        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, shard_file, Timings())
+        files = sorted(p.name for p in chunks.partial_dir.glob("chunk-*.json"))
+        finish_shard(chunks, out)
     finally:
         llm.collective_rpc("eagleflow_uninstall")
     with safe_open(str(out), framework="pt") as f:
@@ -86,11 +92,9 @@ def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(d
     finally:
         engines.close()
     (s1, t1, f1), (s2, t2, f2) = got[1], got[2]
-    # One file per chunk and stage, each stage holding its own ids.
-    assert f1 == [f"chunk-{i:05d}.safetensors" for i in range(len(f1))]
-    assert f2 == sorted(
-        f"chunk-{i:05d}.stage-{s}.safetensors" for i in range(len(f1)) for s in (0, 1)
-    )
+    # One marker per chunk and capturing stage, each stage writing its own columns.
+    assert f1 == [f"chunk-{i:05d}.json" for i in range(len(f1))]
+    assert f2 == sorted(f"chunk-{i:05d}.stage-{s}.json" for i in range(len(f1)) for s in (0, 1))
     assert torch.equal(t1, t2) and torch.equal(t2, torch.from_numpy(shard.input_ids))
     assert s1.shape == s2.shape == (len(shard.input_ids), len(ids), info.hidden_size)
     for j, k in enumerate(ids):

@@ -32,7 +32,13 @@ from eagleflow.data.shards import TokenShard, build_shards
 from eagleflow.data.templating import Tokenized, tokenize_conversation, tokenizer_digest
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.shard import CAPTURE_WORKER, Timings, assemble_shard, run_chunks
+from eagleflow.extract.shard import (
+    CAPTURE_WORKER,
+    Timings,
+    finish_shard,
+    prepare_shard_file,
+    run_chunks,
+)
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.fixtures.tiny_target import (
     build_tiny_llama_target,
@@ -75,12 +81,12 @@ def capture(llm, shard, plan, workdir, chunk_tokens=400):
     `extract_shard` after the engine start); the engine is left as it was found."""
     out = workdir / f"{shard.shard_id}.safetensors"
     chunks = ShardChunks.plan(shard, "test", out, chunk_tokens)
-    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
     llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
     try:
         assert len(chunks.ranges) >= 3
-        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, Timings())
-        assemble_shard(chunks, plan, out)
+        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, shard_file, Timings())
+        finish_shard(chunks, out)
     finally:
         llm.collective_rpc("eagleflow_uninstall")
     with safe_open(str(out), framework="pt") as f:

@@ -1,5 +1,5 @@
 """fp8 storage of hidden states (`capture.storage_dtype: float8_e4m3fn`): quantization round
-trip, the shard layout through the real assemble path, verification of scales, readers, the
+trip, the shard layout through the real shard-file path, verification of scales, readers, the
 fingerprint and the byte estimates. The end-to-end extraction through vLLM is in
 test_workflow.py."""
 
@@ -91,7 +91,7 @@ def test_bytes_per_token_in_both_layouts():
 
 @pytest.fixture
 def shards(tokenizer, tmp_path):
-    """The same synthetic states stored both ways through the real assemble path."""
+    """The same synthetic states stored both ways through the real shard-file path."""
     shard = make_token_shards(tokenizer)[0]
     _, bf16, bf16_record = make_extracted_shard(shard, tmp_path / "bf16")
     _, fp8, record = make_extracted_shard(shard, tmp_path / "fp8", storage_dtype=FP8)

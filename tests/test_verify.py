@@ -103,8 +103,9 @@ def test_non_finite_and_zero_rows_are_named(tokenizer, tmp_path):
     ]
 
 
-def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(extracted):
-    shard, out, record = extracted
+def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(tokenizer, tmp_path):
+    shard = make_token_shards(tokenizer)[0]
+    _, out, record = make_extracted_shard(shard, tmp_path, keep_partial=True)
     report = out.with_name(f"{shard.shard_id}.verify.json")
     result = verify_extracted_shard(
         out, shard, record, Expected(FP, PLAN.layer_ids, PLAN.hidden_size, "bfloat16"), report
@@ -116,9 +117,9 @@ def test_the_extract_jobs_verification_writes_the_report_last_or_quarantines(ext
     with open(out, "r+b") as f:
         f.seek(start)
         f.write(b"\xc0\x7f" * 16)
-    partial = (
-        out.parent / ".partial" / shard.shard_id
-    )  # its committed chunks go too: the next run starts afresh
+    # Its partial directory (the file's data and chunk markers) goes too: the next run starts
+    # afresh.
+    partial = out.parent / ".partial" / shard.shard_id
     assert any(partial.iterdir())
     with pytest.raises(
         ShardInvalid, match=f"shard {shard.shard_id} .*non-finite value at token 0.*quarantine"

@@ -1,21 +1,22 @@
-"""Extracted shards made without vLLM (random states through the real chunk/assemble path),
-for tests of verification, integrity and caching."""
+"""Extracted shards made without vLLM (random states through the real shard-file and chunk
+commit path), for tests of verification, integrity and caching."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards, write_token_shard
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
-from eagleflow.extract.shard import assemble_shard
+from eagleflow.extract.shard import chunk_targets, finish_shard, prepare_shard_file
 from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.store.chunks import ShardChunks
-from eagleflow.store.quant import DEFAULT_STORAGE, SCALES_KEY, is_fp8, quantize
+from eagleflow.store.headers import file_sha256
+from eagleflow.store.quant import DEFAULT_STORAGE, is_fp8, quantize
 
 FP = "0123456789abcdef"
 PLAN = CapturePlan(
@@ -51,9 +52,12 @@ def make_extracted_shard(
     chunk_tokens=64,
     seed=0,
     storage_dtype=DEFAULT_STORAGE,
+    keep_partial=False,
 ):
-    """Write chunk files as the worker would (in fp8 storage: quantized, with their scales),
-    then assemble them with the real code."""
+    """Commit every chunk into the shard file as the worker would (in fp8 storage: quantized,
+    with their scales), then finish the shard with the real code. The partial directory is
+    removed, as a finished extract job leaves it, unless `keep_partial` (a job that has not
+    yet verified its shard)."""
     plan = replace(plan, storage_dtype=storage_dtype)
     out_dir = Path(out_dir)
     tokens_path = out_dir / "tokens" / f"{shard.shard_id}.safetensors"
@@ -61,21 +65,21 @@ def make_extracted_shard(
     write_token_shard(shard, tokens_path)
     out = out_dir / fp / f"{shard.shard_id}.safetensors"
     chunks = ShardChunks.plan(shard, fp, out, chunk_tokens)
-    chunks.partial_dir.mkdir(parents=True, exist_ok=True)
+    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
     g = torch.Generator().manual_seed(seed)
     for i in range(len(chunks.ranges)):
         lo, hi = chunks.token_range(i)
-        ids = torch.from_numpy(shard.input_ids[lo:hi])
-        hs = torch.randn(len(ids), len(plan.layer_ids), plan.hidden_size, generator=g)
-        tensors = {"hidden_states": hs.to(torch.bfloat16)}
+        hs = torch.randn(hi - lo, len(plan.layer_ids), plan.hidden_size, generator=g)
+        hs = hs.to(torch.bfloat16)
+        (target,) = chunk_targets(chunks, plan, shard_file, i).values()
         if is_fp8(storage_dtype):
-            tensors["hidden_states"], tensors[SCALES_KEY] = quantize(tensors["hidden_states"])
-        save_file(
-            tensors | {"input_ids": ids},
-            str(chunks.path(i)),
-            metadata={k: json.dumps(v) for k, v in chunks.metadata(i).items()},
-        )
-    sha, size = assemble_shard(chunks, plan, out)
+            target.commit(*quantize(hs))
+        else:
+            target.commit(hs, None)
+    size = finish_shard(chunks, out)
+    if not keep_partial:
+        shutil.rmtree(chunks.partial_dir)
+    sha = file_sha256(out)
     record = {
         "shard_id": shard.shard_id,
         "fingerprint": fp,

@@ -28,16 +28,16 @@ the host: the connector has already copied them there) into `hidden_states` (F8_
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagleflow.capture.plan import CONNECTOR, CapturePlan, Strategy
 from eagleflow.store.chunks import ShardChunks
-from eagleflow.store.quant import SCALES_KEY, is_fp8, quantize
+from eagleflow.store.quant import is_fp8, quantize
+from eagleflow.store.shardfile import ChunkTarget
 
 FILE_KEYS = ("hidden_states", "token_ids")
 
@@ -192,12 +192,11 @@ def commit_from_connector(
     prompts: list[list[int]],
     plan: CapturePlan,
     dtype: torch.dtype,
-    path: str | Path,
-    metadata: dict,
+    target: ChunkTarget,
 ) -> int:
-    """Write one eagleflow chunk file from the connector files of `outputs` (`LLM.generate`'s
-    results, in prompt order): the same keys and layout the worker-side strategies commit."""
-    parts, ids = [], []
+    """Commit one chunk from the connector files of `outputs` (`LLM.generate`'s results, in
+    prompt order) into the shard file, as the worker-side strategies do (`ChunkTarget`)."""
+    parts = []
     for out, want in zip(outputs, prompts, strict=True):
         params = getattr(out, "kv_transfer_params", None) or {}
         file = params.get("hidden_states_path")
@@ -214,27 +213,23 @@ def commit_from_connector(
                 f"request {out.request_id}: its hidden states file {file} is another request's"
             )
         parts.append(request_states(file, want, len(plan.layer_ids), plan.hidden_size, dtype))
-        ids.append(torch.as_tensor(want, dtype=torch.int64))
     hidden = torch.cat(parts).contiguous()
-    tensors = {"hidden_states": hidden}
     if is_fp8(plan.storage_dtype):
-        tensors["hidden_states"], tensors[SCALES_KEY] = quantize(hidden)
-    tmp = str(path) + ".tmp"
-    save_file(
-        tensors | {"input_ids": torch.cat(ids)},
-        tmp,
-        metadata={k: json.dumps(v) for k, v in metadata.items()},
-    )
-    os.replace(tmp, path)
+        target.commit(*quantize(hidden))
+    else:
+        target.commit(hidden, None)
     for out in outputs:
         remove_request_file(out.kv_transfer_params["hidden_states_path"])
     return int(hidden.shape[0])
 
 
-def run_connector_chunks(llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings):
-    """Prefill the chunks in `todo` one `generate` call each and convert the connector's files
-    of each chunk into its chunk file (the extract_hidden_states counterpart of extraction's
-    loop: the rows come from vLLM's files, not from eagleflow's worker hooks)."""
+def run_connector_chunks(
+    llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings, targets
+):
+    """Prefill the chunks in `todo` one `generate` call each and commit the connector's files
+    of each chunk into the shard file (`targets(i)`: chunk i's ChunkTarget): the
+    extract_hidden_states counterpart of extraction's loop, whose rows come from vLLM's files,
+    not from eagleflow's worker hooks."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -251,7 +246,5 @@ def run_connector_chunks(llm, chunks: ShardChunks, todo: list[int], plan: Captur
         with timings.phase("commit_wait"):
             files = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
             wait_for_files(llm, [f for f in files if f])
-            done += commit_from_connector(
-                outputs, prompts, plan, dtype, chunks.path(i), chunks.metadata(i)
-            )
+            done += commit_from_connector(outputs, prompts, plan, dtype, targets(i))
     return done

@@ -555,7 +555,7 @@ class CapturePlan:
 
     @property
     def capturing_stages(self) -> tuple[Stage, ...]:
-        """The stages that own at least one layer id (each writes its own chunk files)."""
+        """The stages that own at least one layer id (each writes its own columns and markers)."""
         return tuple(s for s in self.stages if s.layer_ids)
 
     def save(self, path) -> None:

@@ -5,28 +5,28 @@ engine continuously (`LLMEngine.add_request` / `step`) and registers each chunk'
 request ids, lengths and expected tokens (`eagleflow_expect`). As soon as every request of a
 registered chunk has all its rows, the chunk is handed to a writer thread, which places the
 rows by the token positions the engine itself used, checks the engine's input ids against
-the expected tokens (whole-tensor comparisons, no loop over tokens), and writes the chunk
-file (temporary name, rename). So a row can never land in another request's sample, the
+the expected tokens (whole-tensor comparisons, no loop over tokens), writes the chunk's rows
+into the shard file in place (`eagleflow.store.shardfile`) and then commits the chunk's marker
+(temporary name, rename). So a row can never land in another request's sample, the
 engine never waits for a commit, and writing overlaps the next batches' prefill. At most two
 complete chunks wait for the writer (the forward blocks beyond that), so memory is bounded
 by the chunk size, not the shard size.
 
 With `storage_dtype` float8_e4m3fn in the plan, each aux state is quantized on the device
 (one scale per token and layer, `eagleflow.store.quant`) before the device-to-host copy, so
-that copy moves about half the bytes; the chunk file then holds `hidden_states` (F8_E4M3) and
+that copy moves about half the bytes; the rows written are then `hidden_states` (F8_E4M3) and
 `hidden_scales` (F32 [tokens, n_layers]).
 
 Only TP rank 0 of each pipeline stage keeps states (they are replicated across TP ranks after
 the all-gathers in vLLM's forward), and only the layer ids its stage owns (`CapturePlan.stages`);
-it writes them to its own chunk file (`ShardChunks.path(i, stage)`); the other ranks copy
-nothing. A write error surfaces on the next call.
+it writes their columns of the rows and its own marker (`ShardChunks.path(i, stage)`); the
+other ranks copy nothing. A write error surfaces on the next call.
 Every error raised here carries the full worker traceback in its message.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import queue
 import threading
 import time
@@ -37,8 +37,8 @@ import torch
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.vllm_fixes import fix_cpu_rope
-from eagleflow.store.quant import SCALES_KEY, is_fp8, quantize
-from eagleflow.store.stream import StreamingWriter
+from eagleflow.store.quant import is_fp8, quantize
+from eagleflow.store.shardfile import ChunkTarget
 
 # Worker processes build the model after importing this module (TP > 1 on the CPU).
 fix_cpu_rope()
@@ -316,30 +316,9 @@ class CaptureExtension:
             raise RuntimeError(
                 f"request {rid}: the engine's input ids differ from the sample's tokens"
             )
-        hidden = cols[0]
-        if self._ef_fp8:
-            layout = [
-                ("hidden_states", torch.float8_e4m3fn, tuple(hidden.shape)),
-                (SCALES_KEY, torch.float32, tuple(cols[1].shape)),
-            ]
-        else:
-            layout = [("hidden_states", hidden.dtype, tuple(hidden.shape))]
-        layout.append(("input_ids", torch.int64, (n_tok,)))
-        writer = StreamingWriter(
-            spec["path"],
-            layout,
-            {k: json.dumps(v) for k, v in spec["metadata"].items()},
-            digest=False,
-        )
-        try:
-            writer.write("hidden_states", hidden)
-            if self._ef_fp8:
-                writer.write(SCALES_KEY, cols[1])
-            writer.write("input_ids", input_ids)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        # Into the shard file in place, then the marker: a chunk is committed only once its
+        # rows are on disk (eagleflow.store.shardfile, eagleflow.store.chunks).
+        spec["target"].commit(cols[0], cols[1] if self._ef_fp8 else None)
 
     def _ef_raise_write_error(self):
         if self._ef_write_error is not None:
@@ -353,18 +332,20 @@ class CaptureExtension:
         request_ids: list[str],
         lengths: list[int],
         token_bytes: bytes,
-        paths: dict,
-        metadata: dict,
+        targets: dict,
     ) -> int:
         """Register chunk `chunk`: the engine request ids of its samples (in order), their
-        lengths, the expected tokens (int64 bytes) and the file to write once all rows are in
-        (`paths`: pipeline rank -> file, as strings, for the stages that capture ids)."""
+        lengths, the expected tokens (int64 bytes) and where its rows go once all are in
+        (`targets`: pipeline rank -> ChunkTarget JSON, for the capturing stages)."""
         self._ef_raise_write_error()
         if not self._ef_rank0:
             return 0
-        rank = str(self._ef_stage.rank if self._ef_stage else 0)
-        path = paths[rank]
-        metadata = metadata | {"layer_ids": list(self._ef_ids)}
+        target = ChunkTarget.from_json(targets[str(self._ef_stage.rank if self._ef_stage else 0)])
+        if target.metadata["layer_ids"] != list(self._ef_ids):
+            raise RuntimeError(
+                f"chunk {chunk}: the driver sends layer ids {target.metadata['layer_ids']} to a "
+                f"stage that captures {list(self._ef_ids)}"
+            )
         if len(token_bytes) != 8 * sum(lengths):
             raise ValueError(
                 f"chunk {chunk}: {len(token_bytes)} bytes of tokens for {sum(lengths)} tokens"
@@ -375,8 +356,7 @@ class CaptureExtension:
                 "requests": list(request_ids),
                 "lengths": list(lengths),
                 "token_bytes": token_bytes,
-                "path": path,
-                "metadata": metadata,
+                "target": target,
             }
         )
         self._ef_hand_over()  # rows may already be in

@@ -39,6 +39,7 @@ def serve(spec: ServerSpec) -> None:
     from eagleflow.extract.shard import (
         Timings,
         run_chunks,
+        shard_file_of,
         start_capture_engine,
         stop_capture_engine,
     )
@@ -90,11 +91,15 @@ def serve(spec: ServerSpec) -> None:
                 chunks = ShardChunks.plan(
                     shard, spec.plan.fingerprint, Path(req["hidden"]), req["chunk_tokens"]
                 )
+                # The job created the file before asking; its layout is a pure function.
+                shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
                 todo = chunks.todo()  # what is committed now, not when the client asked
                 print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
                 timings = Timings()
                 try:
-                    done = run_chunks(llm, chunks, todo, spec.plan, timings, _ToClient(conn))
+                    done = run_chunks(
+                        llm, chunks, todo, spec.plan, shard_file, timings, _ToClient(conn)
+                    )
                 except Exception:
                     tb = traceback.format_exc()
                     print(tb, flush=True)

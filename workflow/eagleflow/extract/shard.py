@@ -1,17 +1,17 @@
 """Extraction of one shard: prefill through vLLM, capture, chunked commits, one atomic file.
 
-The shard's chunks (`eagleflow.store.chunks`) are committed as the engine produces them, so a
-killed job resumes after its last committed chunk, and a job whose chunks are all committed
-never starts the engine. The shard file is assembled from the chunks by streaming, hashed
-while written, and renamed into place last; its sidecar JSON records sha256, size and
-throughput. In fp8 storage (`capture.storage_dtype`) the file also holds `hidden_scales`
-(`eagleflow.store.quant`).
+The shard file is created in its final layout before the engine runs and every chunk's rows
+are written into it in place (`eagleflow.store.shardfile`), then committed by a marker
+(`eagleflow.store.chunks`): a killed job resumes after its last committed chunk, and a job
+whose chunks are all committed never starts the engine. Finishing writes no states again: the
+file is linked into its final name, verified by one read that also hashes it, and its sidecar
+JSON records sha256, size and throughput. In fp8 storage (`capture.storage_dtype`) the file
+also holds `hidden_scales` (`eagleflow.store.quant`).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import sys
@@ -21,8 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from eagleflow.capture.connector import run_connector_chunks, strategy_engine_kwargs
 from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
@@ -31,10 +29,13 @@ from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.extract.client import EngineClient, ServerSpec
 from eagleflow.store.chunks import ShardChunks
-from eagleflow.store.dtypes import torch_dtype
-from eagleflow.store.headers import read_header
-from eagleflow.store.quant import SCALES_KEY, is_fp8, stored_storage_dtype
-from eagleflow.store.stream import StreamingWriter
+from eagleflow.store.shardfile import (
+    ChunkTarget,
+    ShardFile,
+    link_into_place,
+    plan_shard_file,
+    prepare,
+)
 from eagleflow.store.verify import Expected, verify_extracted_shard
 from eagleflow.target.info import read_target
 from eagleflow.target.layers import CONVENTION
@@ -55,10 +56,11 @@ class ShardOutputs:
 class Timings:
     seconds: dict = field(
         default_factory=lambda: {
+            "prepare": 0.0,
             "engine_start": 0.0,
             "prefill_and_capture": 0.0,
             "commit_wait": 0.0,
-            "assemble": 0.0,
+            "finish": 0.0,
         }
     )
 
@@ -101,10 +103,43 @@ def shard_chunks(shard, plan: CapturePlan, out_path: Path, chunk_tokens: int) ->
     return ShardChunks.plan(shard, plan.fingerprint, out_path, chunk_tokens, stages)
 
 
-def chunk_paths(chunks: ShardChunks, plan: CapturePlan, i: int) -> dict:
-    """Chunk `i`'s file per capturing pipeline rank (as strings, for the workers)."""
-    ranks = [s.rank for s in plan.capturing_stages] or [0]
-    return {str(r): str(chunks.path(i, r)) for r in ranks}
+def shard_file_of(chunks: ShardChunks, plan: CapturePlan, dtype: str) -> tuple[ShardFile, bytes]:
+    """The shard's file (in `.partial/<shard>/` until finished) and its header bytes."""
+    return plan_shard_file(chunks.shard_file, chunks.shard, plan, dtype, chunks.fingerprint)
+
+
+def prepare_shard_file(chunks: ShardChunks, plan: CapturePlan, dtype: str) -> ShardFile:
+    """Create the shard's file in its final layout, or keep the one a killed job left (with
+    its committed chunks) if its header is the one expected."""
+    shard_file, header = shard_file_of(chunks, plan, dtype)
+    prepare(shard_file, header, chunks.shard, chunks.drop_markers)
+    return shard_file
+
+
+def chunk_targets(chunks: ShardChunks, plan: CapturePlan, shard_file: ShardFile, i: int) -> dict:
+    """Chunk `i`'s ChunkTarget per capturing pipeline rank ("0", "1", ...): each stage writes
+    the columns of its layer ids, which follow the earlier stages' ids."""
+    targets, column = {}, 0
+    for stage in plan.capturing_stages or [None]:
+        ids = list(stage.layer_ids) if stage else list(plan.layer_ids)
+        rank = stage.rank if stage else 0
+        meta = chunks.metadata(i) | {"layer_ids": ids, "storage_dtype": plan.storage_dtype}
+        targets[str(rank)] = ChunkTarget(shard_file, column, chunks.path(i, rank), meta)
+        column += len(ids)
+    return targets
+
+
+def finish_shard(chunks: ShardChunks, out_path: Path) -> int:
+    """Give the shard file, every chunk committed, its final name (no copy: a hard link, so
+    the partial name keeps it until the job is done); returns its size."""
+    missing = chunks.todo()
+    if missing:
+        raise RuntimeError(
+            f"shard {chunks.shard.shard_id}: chunks {missing[:10]} are not committed "
+            f"({len(missing)} of {len(chunks.ranges)}); run again to extract them"
+        )
+    link_into_place(chunks.shard_file, Path(out_path))
+    return Path(out_path).stat().st_size
 
 
 def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_dir: Path):
@@ -141,10 +176,11 @@ def extract_shard(
     log=print,
     server: ServerSpec | None = None,
 ) -> dict:
-    """Extract one shard; write the shard file, then its record (both atomically), verify it and
-    write the report, and only then drop the committed chunks, so a kill at any point loses at
-    most the chunk in flight (a kill during verification re-assembles without loading the
-    model). A shard that fails verification goes to quarantine with its chunks (ShardInvalid).
+    """Extract one shard: create its file, prefill the chunks not yet committed into it, link
+    it into place, verify it (one read, which also hashes it), write its record, then its
+    report, and only then drop the partial directory, so a kill at any point loses at most the
+    chunk in flight (a kill after the last commit verifies again without loading the model). A
+    shard that fails verification goes to quarantine with its partial directory (ShardInvalid).
 
     `server`: prefill through the shared engine server of that spec (started if none runs;
     eagleflow.extract.server) instead of loading an engine for this shard alone. The client
@@ -159,6 +195,8 @@ def extract_shard(
     t_start = time.perf_counter()
     engine = {"server": server is not None, "loaded_here": False, "server_pid": None}
     with shard_lock(chunks.partial_dir, shard.shard_id), ExitStack() as stack:
+        with timings.phase("prepare"):
+            shard_file = prepare_shard_file(chunks, plan, settings.dtype)
         todo = chunks.todo()
         log(
             f"shard {shard.shard_id}: {len(shard.sample_ids)} samples, "
@@ -181,21 +219,19 @@ def extract_shard(
                 llm = start_capture_engine(settings, plan, chunks.partial_dir)
             engine["loaded_here"] = True
             try:
-                tokens_done = run_chunks(llm, chunks, todo, plan, timings)
+                tokens_done = run_chunks(llm, chunks, todo, plan, shard_file, timings)
             finally:
                 stop_capture_engine(llm)
-        with timings.phase("assemble"):
-            sha, size = assemble_shard(chunks, plan, outputs.hidden)
+        with timings.phase("finish"):
+            size = finish_shard(chunks, outputs.hidden)
         record = shard_record(
-            chunks, plan, outputs.hidden, (sha, size), engine["loaded_here"], tokens_done
+            chunks, plan, outputs.hidden, size, engine["loaded_here"], tokens_done
         )
         record["engine"] = engine
         record["seconds"] = timings.rounded(time.perf_counter() - t_start)
         prefill = timings.seconds["prefill_and_capture"] + timings.seconds["commit_wait"]
         record["tokens_per_second"] = round(tokens_done / prefill, 1) if prefill > 0 else None
-        tmp = Path(str(outputs.record) + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, outputs.record)
+        # The record (with the sha256 of the verification read), then the report, last.
         report = verify_extracted_shard(
             outputs.hidden,
             shard,
@@ -203,20 +239,21 @@ def extract_shard(
             Expected.of(plan, settings.dtype),
             outputs.report,
             partial_dir=chunks.partial_dir,
+            record_path=outputs.record,
         )
     log(f"shard {shard.shard_id}: verified in {report['verify_seconds']} s")
     shutil.rmtree(chunks.partial_dir, ignore_errors=True)
     return record
 
 
-def shard_record(chunks: ShardChunks, plan, path: Path, hashed, model_loaded, tokens_done):
-    sha, size = hashed
+def shard_record(chunks: ShardChunks, plan, path: Path, size: int, model_loaded, tokens_done):
+    """The shard's record; its sha256 is set by verification, which reads the whole file."""
     shard = chunks.shard
     return {
         "shard_id": shard.shard_id,
         "fingerprint": chunks.fingerprint,
         "path": path.name,
-        "sha256": sha,
+        "sha256": None,
         "bytes": size,
         "n_samples": len(shard.sample_ids),
         "n_tokens": int(len(shard.input_ids)),
@@ -230,10 +267,17 @@ def shard_record(chunks: ShardChunks, plan, path: Path, hashed, model_loaded, to
 
 
 def run_chunks(
-    llm, chunks: ShardChunks, todo: list[int], plan: CapturePlan, timings, progress=None
+    llm,
+    chunks: ShardChunks,
+    todo: list[int],
+    plan: CapturePlan,
+    shard_file: ShardFile,
+    timings,
+    progress=None,
 ) -> int:
-    """Prefill the chunks in `todo` through one continuously fed engine loop; the progress bar
-    goes to `progress` (a file; stderr by default, the client's log under an engine server).
+    """Prefill the chunks in `todo` into `shard_file` through one continuously fed engine loop;
+    the progress bar goes to `progress` (a file; stderr by default, the client's log under an
+    engine server).
 
     Requests go in chunk by chunk while fewer than two engine batches of tokens are queued
     (`max_num_batched_tokens` each), so every forward is as full as in one plain `generate`
@@ -242,7 +286,14 @@ def run_chunks(
     its requests are added; they write it when its rows are complete (capture_worker).
     """
     if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:  # rows come from vLLM's files
-        return run_connector_chunks(llm, chunks, todo, plan, timings)
+        return run_connector_chunks(
+            llm,
+            chunks,
+            todo,
+            plan,
+            timings,
+            lambda i: chunk_targets(chunks, plan, shard_file, i)["0"],
+        )
     from tqdm import tqdm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -283,8 +334,10 @@ def run_chunks(
                             request_ids,
                             np.diff(shard.offsets[a : b + 1]).tolist(),
                             shard.input_ids[lo:hi].astype(np.int64).tobytes(),
-                            chunk_paths(chunks, plan, i),
-                            chunks.metadata(i),
+                            {
+                                r: t.to_json()
+                                for r, t in chunk_targets(chunks, plan, shard_file, i).items()
+                            },
                         ),
                     )
                     queued += hi - lo
@@ -299,84 +352,3 @@ def run_chunks(
     for k, v in worker_stats.items():
         timings.seconds[f"worker_{k}"] = timings.seconds.get(f"worker_{k}", 0.0) + v
     return done
-
-
-def read_chunk(
-    chunks: ShardChunks, plan: CapturePlan, i: int, key: str = "hidden_states"
-) -> torch.Tensor:
-    """Chunk `i`'s tensor `key` (states [tokens, n_ids, hidden] or, in fp8, scales
-    [tokens, n_ids]) in the plan's layer-id order: its stage files concatenated in stage order,
-    each file's ids, input ids and storage dtype checked."""
-    shard = chunks.shard
-    lo, hi = chunks.token_range(i)
-    want = torch.from_numpy(shard.input_ids[lo:hi])
-    fp8 = is_fp8(plan.storage_dtype)
-    parts, ids = [], []
-    for path in chunks.paths(i):
-        h, _ = read_header(path)
-        if stored_storage_dtype(h) != plan.storage_dtype or fp8 != (SCALES_KEY in h):
-            raise RuntimeError(
-                f"chunk {i} of shard {shard.shard_id} ({path}): hidden_states "
-                f"{h['hidden_states']['dtype']}{' with' if SCALES_KEY in h else ' without'} "
-                f"{SCALES_KEY}, the plan stores {plan.storage_dtype}"
-            )
-        with safe_open(str(path), framework="pt") as f:
-            if not torch.equal(f.get_tensor("input_ids"), want):
-                raise RuntimeError(
-                    f"chunk {i} of shard {shard.shard_id} ({path.name}): "
-                    "input_ids differ from the shard's tokens"
-                )
-            meta = f.metadata() or {}
-            parts.append(f.get_tensor(key))
-            ids += json.loads(meta.get("layer_ids", "null")) or plan.layer_ids
-    if ids != list(plan.layer_ids):
-        raise RuntimeError(
-            f"chunk {i} of shard {shard.shard_id}: its files hold layer ids {ids}, the plan "
-            f"captures {plan.layer_ids}"
-        )
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def assemble_shard(chunks: ShardChunks, plan: CapturePlan, out_path: Path):
-    """Stream the committed chunks into one safetensors file (hashed while written); the
-    layout is the same whatever the pipeline layout that wrote the chunks."""
-    shard = chunks.shard
-    n_tok = len(shard.input_ids)
-    fp8 = is_fp8(plan.storage_dtype)
-    header, _ = read_header(chunks.paths(0)[0])
-    hs = header["hidden_states"]
-    dtype = torch_dtype(hs["dtype"])
-    n_layers, hidden = len(plan.layer_ids), hs["shape"][2]
-    metadata = {
-        "layer_ids": json.dumps(plan.layer_ids),
-        "layer_id_convention": CONVENTION,
-        "sample_ids": json.dumps(shard.sample_ids),
-        "shard_id": shard.shard_id,
-        "capture_strategy": plan.strategy.value,
-        "fingerprint": chunks.fingerprint,
-        "format": "eagleflow-hidden-v1",
-        "storage_dtype": plan.storage_dtype,
-    }
-    layout = [("hidden_states", dtype, (n_tok, n_layers, hidden))]
-    if fp8:
-        layout.append((SCALES_KEY, torch.float32, (n_tok, n_layers)))
-    layout += [
-        ("input_ids", torch.int64, (n_tok,)),
-        ("loss_mask", torch.uint8, (n_tok,)),
-        ("offsets", torch.int64, (len(shard.offsets),)),
-    ]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = StreamingWriter(out_path, layout, metadata)
-    try:
-        for i in range(len(chunks.ranges)):
-            writer.write("hidden_states", read_chunk(chunks, plan, i))
-        if fp8:  # the scales follow all the states in the file: a second, small pass
-            for i in range(len(chunks.ranges)):
-                writer.write(SCALES_KEY, read_chunk(chunks, plan, i, SCALES_KEY))
-        writer.write("input_ids", torch.from_numpy(shard.input_ids))
-        writer.write("loss_mask", torch.from_numpy(shard.loss_mask))
-        writer.write("offsets", torch.from_numpy(shard.offsets))
-        return writer.close()
-    except BaseException:
-        writer.abort()
-        raise

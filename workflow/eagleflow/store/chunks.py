@@ -1,27 +1,26 @@
-"""The chunks of one shard: consecutive sample ranges committed one file each.
+"""The chunks of one shard: consecutive sample ranges, each committed by a marker.
 
-Work inside a shard is committed in chunks (`.partial/<shard>/chunk-NNNNN.safetensors`, each
-written to a temporary name and renamed), so a killed job resumes after its last committed
-chunk. A chunk file holds `hidden_states` [tokens, n_layers, hidden] and `input_ids` [tokens],
-and its metadata names the fingerprint, shard and sample range it belongs to.
+Work inside a shard is committed in chunks, so a killed job resumes after its last committed
+chunk. A chunk's rows are written into the shard file in place (`eagleflow.store.shardfile`,
+`.partial/<shard>/shard.safetensors`) and flushed; only then is its marker
+`.partial/<shard>/chunk-NNNNN.json` written (temporary name, then rename). The marker names the
+fingerprint, shard and sample range it belongs to; a chunk without one is prefilled again.
 
-With pipeline parallelism each stage that owns layer ids writes its own file per chunk,
-`chunk-NNNNN.stage-S.safetensors`, holding its ids only (metadata `layer_ids`); a chunk is
-committed when every such file is. Assembly concatenates a chunk's stage files in stage order,
-which is layer-id order (stages own consecutive layers), so a shard is the same whatever the
-parallelism. With one capturing stage the file is `chunk-NNNNN.safetensors`, as without PP.
+With pipeline parallelism each stage that owns layer ids writes its own columns of the rows
+and its own marker, `chunk-NNNNN.stage-S.json`; a chunk is committed when every such marker
+is. The file's layout does not depend on the parallelism.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from eagleflow.data.shards import TokenShard
-from eagleflow.store.headers import read_header
 
 
 def chunk_ranges(offsets: np.ndarray, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -39,8 +38,9 @@ def chunk_ranges(offsets: np.ndarray, chunk_tokens: int) -> list[tuple[int, int]
 
 
 def chunk_path(partial_dir: Path, i: int, stage: int | None = None) -> Path:
+    """Chunk `i`'s commit marker (of pipeline stage `stage`)."""
     name = f"chunk-{i:05d}" + ("" if stage is None else f".stage-{stage}")
-    return Path(partial_dir) / f"{name}.safetensors"
+    return Path(partial_dir) / f"{name}.json"
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,17 @@ class ShardChunks:
         ranges = chunk_ranges(shard.offsets, chunk_tokens)
         return cls(shard, fingerprint, partial_dir, ranges, stages)
 
+    @property
+    def shard_file(self) -> Path:
+        """The shard's file while its chunks are written (eagleflow.store.shardfile)."""
+        return self.partial_dir / "shard.safetensors"
+
     def path(self, i: int, stage: int | None = None) -> Path:
-        """Chunk `i`'s file; with several capturing stages, stage `stage`'s file."""
+        """Chunk `i`'s marker; with several capturing stages, stage `stage`'s marker."""
         return chunk_path(self.partial_dir, i, stage if self.stages else None)
 
     def paths(self, i: int) -> list[Path]:
-        """Every file of chunk `i`, in stage (= layer-id) order."""
+        """Every marker of chunk `i`, in stage (= layer-id) order."""
         return [self.path(i, s) for s in self.stages] if self.stages else [self.path(i)]
 
     def token_range(self, i: int) -> tuple[int, int]:
@@ -87,33 +92,44 @@ class ShardChunks:
         return hi - lo
 
     def metadata(self, i: int) -> dict:
-        """What a chunk file records of its identity (checked before it is reused)."""
+        """What a chunk's marker records of its identity (checked before it is trusted)."""
         return {
             "fingerprint": self.fingerprint,
             "shard_id": self.shard.shard_id,
             "chunk": i,
             "samples": list(self.ranges[i]),
+            "tokens": list(self.token_range(i)),
         }
 
     def committed(self, i: int) -> bool:
-        """Cheap check of a committed chunk: every file's header readable, size complete,
-        identity matches."""
-        return all(self._committed_file(path, i) for path in self.paths(i))
-
-    def _committed_file(self, path: Path, i: int) -> bool:
-        try:
-            header, data_start = read_header(path)
-            meta = header.get("__metadata__", {})
-            end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-            return (
-                path.stat().st_size == data_start + end
-                and json.loads(meta.get("fingerprint", "null")) == self.fingerprint
-                and json.loads(meta.get("shard_id", "null")) == self.shard.shard_id
-                and json.loads(meta.get("samples", "null")) == list(self.ranges[i])
-                and header["input_ids"]["shape"] == [self.n_tokens(i)]
-            )
-        except (OSError, ValueError, KeyError):
-            return False
+        """Chunk `i`'s rows are in the shard file: every marker there, naming this chunk."""
+        want = self.metadata(i)
+        for path in self.paths(i):
+            try:
+                found = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return False
+            if {k: found.get(k) for k in want} != want:
+                return False
+        return True
 
     def todo(self) -> list[int]:
+        if not self.shard_file.is_file():
+            return list(range(len(self.ranges)))
         return [i for i in range(len(self.ranges)) if not self.committed(i)]
+
+    def drop_markers(self) -> None:
+        """Forget every committed chunk (the shard file is about to be created anew)."""
+        for path in self.partial_dir.glob("chunk-*.json"):
+            path.unlink()
+
+
+def commit_marker(path: str | Path, record: dict) -> None:
+    """Write a chunk's marker atomically, after its rows are on disk."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -24,6 +24,30 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
+def safetensors_header(layout, metadata: dict[str, str]) -> tuple[bytes, dict, int]:
+    """The bytes a safetensors file of `layout` = [(name, dtype, shape)] starts with (length
+    prefix and JSON header, padded so the data starts 8-byte aligned), each tensor's absolute
+    byte range in the file, and the file's size."""
+    header, offset, sizes = {}, 0, []
+    for name, dtype, shape in layout:
+        n = torch.empty(0, dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        header[name] = {
+            "dtype": code_of(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        sizes.append((name, offset, offset + n))
+        offset += n
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    start = 8 + len(blob)
+    spans = {name: (start + a, start + b) for name, a, b in sizes}
+    return struct.pack("<Q", len(blob)) + blob, spans, start + offset
+
+
 class StreamingWriter:
     """`layout` = [(name, dtype, shape)] in file order; then `write(name, tensor)` in that order,
     any number of pieces per tensor (concatenated along dim 0)."""
@@ -31,28 +55,14 @@ class StreamingWriter:
     def __init__(self, path: str | Path, layout, metadata: dict[str, str], digest: bool = True):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
-        header, offset = {}, 0
-        self.sizes = {}
-        for name, dtype, shape in layout:
-            n = torch.empty(0, dtype=dtype).element_size()
-            for d in shape:
-                n *= d
-            header[name] = {
-                "dtype": code_of(dtype),
-                "shape": list(shape),
-                "data_offsets": [offset, offset + n],
-            }
-            self.sizes[name] = n
-            offset += n
-        header["__metadata__"] = metadata
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        header, spans, _ = safetensors_header(layout, metadata)
+        self.sizes = {name: b - a for name, (a, b) in spans.items()}
         self.order = [name for name, _, _ in layout]
         self.written = {name: 0 for name in self.order}
-        # digest=False (chunk files, checked by assembly instead) skips hashing: close returns None.
+        # digest=False skips hashing: close returns None.
         self.sha = hashlib.sha256() if digest else None
         self.f = open(self.tmp, "wb")
-        self._emit(struct.pack("<Q", len(blob)) + blob)
+        self._emit(header)
 
     def _emit(self, data) -> None:
         if self.sha is not None:

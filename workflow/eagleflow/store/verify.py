@@ -1,11 +1,12 @@
 """Verification of extracted shards.
 
-`verify_shard` reads everything (in row blocks, bounded memory): keys, shapes, dtypes,
-metadata, every value finite, no all-zero rows, input ids / loss mask / offsets identical to
-the tokenized shard; in fp8 storage the values are checked after dequantization and the
-scales must be positive and finite. `cheap_check` reads only the file size and header and
-compares them with the extraction record; it is what every rerun can afford. `deep` adds a
-sha256 re-hash.
+`verify_shard` reads everything once, in file order and row blocks (bounded memory), hashing
+what it reads: keys, shapes, dtypes, metadata, every value finite, no all-zero rows, input ids /
+loss mask / offsets identical to the tokenized shard; in fp8 storage the values are checked
+after dequantization and the scales must be positive and finite. Its sha256 is the one the
+extraction record keeps; `deep` compares it with the record's. `cheap_check` reads only the
+file size and header and compares them with the extraction record; it is what every rerun can
+afford.
 
 Every extract job ends with `verify_extracted_shard`: a shard is finished only once its report
 is written, and a shard that fails is moved to quarantine (nothing is lost, nothing bad is
@@ -16,6 +17,7 @@ verify job: half the DAG for Snakemake to build on every rerun, and no second cl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -27,8 +29,8 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.data.shards import TokenShard
-from eagleflow.store.dtypes import code_of
-from eagleflow.store.headers import cheap_check, file_sha256, read_header
+from eagleflow.store.dtypes import code_of, torch_dtype
+from eagleflow.store.headers import cheap_check, read_header
 from eagleflow.store.integrity import quarantine
 from eagleflow.store.quant import DEFAULT_STORAGE, FP8, SCALES_KEY, dequantize, is_fp8
 
@@ -69,17 +71,18 @@ def verify_shard(
     expected: Expected,
     deep: bool = False,
 ) -> dict:
+    """Check the shard at `path`; the result's `sha256` is the file's, from the same read."""
     path = Path(path)
     problems = cheap_check(path, record, expected.fingerprint)
-    if deep and not problems:
-        digest = file_sha256(path)
-        if digest != record.get("sha256"):
-            problems.append(
-                f"sha256 {digest[:16]}... differs from the recorded "
-                f"{str(record.get('sha256'))[:16]}... (content changed)"
-            )
+    digest = None
     if not problems:
-        problems += _verify_tensors(path, tokens, expected)
+        more, digest = _verify_tensors(path, tokens, expected)
+        problems += more
+    if deep and digest is not None and digest != record.get("sha256"):
+        problems.append(
+            f"sha256 {digest[:16]}... differs from the recorded "
+            f"{str(record.get('sha256'))[:16]}... (content changed)"
+        )
     return {
         "shard_id": tokens.shard_id,
         "path": str(path),
@@ -88,7 +91,7 @@ def verify_shard(
         "n_samples": len(tokens.sample_ids),
         "n_tokens": int(len(tokens.input_ids)),
         "bytes": record.get("bytes"),
-        "sha256": record.get("sha256"),
+        "sha256": digest,
         "tokens_per_second": record.get("tokens_per_second"),
         "deep": deep,
     }
@@ -101,11 +104,14 @@ def verify_extracted_shard(
     expected: Expected,
     report_path: str | Path,
     partial_dir: Path | None = None,
+    record_path: str | Path | None = None,
 ) -> dict:
-    """Verify a shard just written; write its report (atomically) if it passes. If it fails,
-    move the shard, its record and its committed chunks (`partial_dir`, so the next run
-    extracts afresh instead of re-assembling them) to `<hidden dir>/quarantine/` with the reason,
-    and raise ShardInvalid naming the shard, the problems and where the files went."""
+    """Verify a shard just written. If it passes: with `record_path`, set the record's sha256
+    (from the verification read) and write it; then write the report; each atomically, the
+    report last. If it fails, move the shard, its record and its partial directory
+    (`partial_dir`: the file's data and chunk markers, so the next run extracts afresh) to
+    `<hidden dir>/quarantine/` with the reason, and raise ShardInvalid naming the shard, the
+    problems and where the files went."""
     t0 = time.perf_counter()
     result = verify_shard(path, tokens, record, expected)
     result["verify_seconds"] = round(time.perf_counter() - t0, 3)
@@ -118,18 +124,27 @@ def verify_extracted_shard(
             f"{'; '.join(result['problems'])}. "
             f"Its files were moved to {dest}; the next run extracts it again."
         )
-    report_path = Path(report_path)
-    tmp = report_path.with_name(report_path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, report_path)
+    if record_path is not None:
+        record["sha256"] = result["sha256"]
+        _write_json(record_path, record)
+    _write_json(report_path, result)
     return result
 
 
-def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
+def _write_json(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _verify_tensors(path, tokens, expected: Expected) -> tuple[list[str], str | None]:
+    """Problems found in the tensors, and the file's sha256 (None when the header alone
+    already failed)."""
     layer_ids = expected.layer_ids
     hidden_size, dtype = expected.hidden_size, expected.dtype
     problems = []
-    header, _ = read_header(path)
+    header, data_start = read_header(path)
     keys = set(header) - {"__metadata__"}
     fp8 = is_fp8(expected.storage_dtype)
     if keys != expected.keys:
@@ -137,8 +152,8 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
             return [
                 f"{path}: shard {tokens.shard_id} lacks {SCALES_KEY} (storage_dtype {FP8} "
                 "stores one scale per token and layer); its states cannot be dequantized"
-            ]
-        return [f"tensors {sorted(keys)}, expected {sorted(expected.keys)}"]
+            ], None
+        return [f"tensors {sorted(keys)}, expected {sorted(expected.keys)}"], None
     meta = header["__metadata__"]
     T = len(tokens.input_ids)
     n = len(layer_ids)
@@ -165,7 +180,7 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
             f"expected {expected.storage_dtype}"
         )
     if problems:
-        return problems
+        return problems, None
     with safe_open(str(path), framework="pt") as f:
         if not np.array_equal(f.get_tensor("input_ids").numpy(), tokens.input_ids):
             problems.append("input_ids differ from the tokenized shard's tokens")
@@ -176,11 +191,38 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
             problems.append("offsets differ from the tokenized shard's")
         if offsets[0] != 0 or offsets[-1] != T or np.any(np.diff(offsets) <= 0):
             problems.append("offsets are not 0, strictly increasing, ending at the token count")
-        hs = f.get_slice("hidden_states")
         scales = f.get_slice(SCALES_KEY) if fp8 else None
+        digest = _scan_states(path, header, data_start, layer_ids, scales, problems)
+    return problems, digest
+
+
+def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
+    """Read the file once, start to end, hashing every byte; `hidden_states` is read in row
+    blocks and checked (dequantized with `scales`, a safetensors slice, in fp8). The first
+    problem of each kind is appended to `problems`; hashing goes on to the end."""
+    info = header["hidden_states"]
+    T, n, H = info["shape"]
+    dtype = torch_dtype(info["dtype"])
+    row = n * H * dtype.itemsize
+    sha = hashlib.sha256()
+    buf = bytearray(min(ROW_BLOCK, max(T, 1)) * row)
+    state_problem = False
+    with open(path, "rb") as f:
+        sha.update(f.read(data_start))
+        _hash_span(f, sha, info["data_offsets"][0])  # tensors laid out before the states, if any
         for a in range(0, T, ROW_BLOCK):
-            if fp8:
-                sc = scales[a : a + ROW_BLOCK]
+            rows = min(ROW_BLOCK, T - a)
+            view = memoryview(buf)[: rows * row]
+            if f.readinto(view) != len(view):
+                problems.append(f"hidden_states: the file ends inside row block {a}")
+                return sha.hexdigest()
+            sha.update(view)
+            if state_problem:
+                continue
+            raw = torch.frombuffer(buf, dtype=torch.uint8)[: rows * row]
+            states = raw.view(dtype).reshape(rows, n, H)
+            if scales is not None:
+                sc = scales[a : a + rows]
                 bad_scale = ~(torch.isfinite(sc) & (sc > 0))
                 if bad_scale.any():
                     tok, layer = (int(x) for x in bad_scale.nonzero()[0])
@@ -188,19 +230,33 @@ def _verify_tensors(path, tokens, expected: Expected) -> list[str]:
                         f"{SCALES_KEY}: scale {float(sc[tok, layer])} at token {tok + a}, "
                         f"layer id {layer_ids[layer]} (scales must be positive and finite)"
                     )
-                    break
-                block = dequantize(hs[a : a + ROW_BLOCK], sc)
+                    state_problem = True
+                    continue
+                block = dequantize(states, sc)
             else:
-                block = hs[a : a + ROW_BLOCK].to(torch.float32)
+                block = states.to(torch.float32)
             if not torch.isfinite(block).all():
                 bad = int((~torch.isfinite(block)).any(dim=-1).any(dim=-1).nonzero()[0]) + a
                 problems.append(f"hidden_states: non-finite value at token {bad}")
-                break
+                state_problem = True
+                continue
             zero_rows = (block == 0).all(dim=-1)
             if zero_rows.any():
                 tok, layer = (int(x) for x in zero_rows.nonzero()[0])
                 problems.append(
                     f"hidden_states: all-zero row at token {tok + a}, layer id {layer_ids[layer]}"
                 )
-                break
-    return problems
+                state_problem = True
+        _hash_span(f, sha, None)  # the tensors after the states, to the end
+    return sha.hexdigest()
+
+
+def _hash_span(f, sha, n_bytes: int | None, block: int = 1 << 24) -> None:
+    """Hash the next `n_bytes` of `f` (None: to the end)."""
+    while n_bytes is None or n_bytes > 0:
+        data = f.read(block if n_bytes is None else min(block, n_bytes))
+        if not data:
+            return
+        sha.update(data)
+        if n_bytes is not None:
+            n_bytes -= len(data)
