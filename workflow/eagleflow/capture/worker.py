@@ -155,8 +155,8 @@ class CaptureExtension:
         self._ef_rank0 = _tp_rank() == 0 and bool(self._ef_ids)
         if not pp.is_first_rank:
             _allocate_intermediate_tensors(self.model_runner)
-        # Seconds spent in device->host copies (on the forward path) and in assembling and
-        # writing chunk files (on the writer thread, overlapping the next batches' prefill).
+        # Seconds spent in device->host copies (on the forward path) and in placing and writing
+        # chunk rows (on the writer thread, overlapping the next batches' prefill).
         self._ef_stats = {"d2h_copy": 0.0, "chunk_write": 0.0}
         self._ef_queue: queue.Queue = queue.Queue(maxsize=2)
         self._ef_writer = threading.Thread(

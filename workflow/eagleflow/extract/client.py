@@ -5,7 +5,7 @@ The first extract job that has chunks to prefill starts a detached server proces
 (`python -m eagleflow.extract.server SPEC`), under a file lock so two jobs never start two.
 The server loads the target with the capture hooks installed, then listens on a Linux abstract
 unix socket (per host, nothing to clean up) with an authkey kept in a 0600 file. Each extract
-job stays its own Snakemake job (outputs, shard lock, chunk resume, assembly, record,
+job stays its own Snakemake job (outputs, shard lock, chunk resume, finishing, record,
 verification, log): it connects as a client and asks the server to prefill its shard. The
 server recomputes the shard's missing chunks itself when the request starts, runs the same
 `run_chunks` as a per-shard engine, streams its progress lines to the client and ends with the

@@ -17,7 +17,7 @@ CPUS_PER_GPU = 8
 MEM_MB_PER_GPU = 64000
 # Host RAM beyond weights and KV cache for a CPU engine (as validate_env.CPU_OVERHEAD_BYTES).
 CPU_OVERHEAD_MB = 2048
-# Runtime estimate: margin on load + prefill, plus start-up (Snakemake, imports, assembly).
+# Runtime estimate: margin on load + prefill, plus start-up (Snakemake, imports, finishing).
 RUNTIME_MARGIN = 1.5
 STARTUP_MINUTES = 2
 SIDECAR = re.compile(r"[0-9a-f]{20}\.json")
