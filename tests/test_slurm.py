@@ -7,6 +7,7 @@ were given (fake) GPUs.
 Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
 tests fail. About 10 minutes on 2 cores."""
 
+import json
 import os
 import re
 import subprocess
@@ -77,10 +78,10 @@ def profile_home(tmp_path_factory):
     return home
 
 
-def snakemake_slurm(workdir: Path, profile_home: Path, *args, timeout=1200):
+def snakemake_slurm(workdir: Path, profile_home: Path, *args, timeout=1200, config=CONFIG):
     """Exactly `snakemake --profile slurm` from the repository root (the profile is found in
     the user config directory), in a scratch directory with the test config."""
-    configfile = write_config(workdir, CONFIG)
+    configfile = write_config(workdir, config)
     # Targets first: --configfile takes several values.
     cmd = [
         "timeout",
@@ -228,8 +229,6 @@ def test_jobs_run_through_slurm_with_their_resources(runs):
     }
     # one regeneration job per source shard, given the extract jobs' GPUs, its time limit sized
     # from its prompts (user turns x max_new_tokens at 20 tok/s, plus the 3-minute load)
-    import json
-
     from eagleflow.extract.resources import extract_runtime_minutes
 
     sources = json.loads((runs["workdir"] / "results/regenerated/sources.json").read_text())
@@ -290,3 +289,36 @@ def test_rerun_submits_nothing(runs):
     p = runs["again"]
     assert "Nothing to be done" in p.out, p.out[-3000:]
     assert not p.submitted
+
+
+def test_grouped_extract_jobs_share_one_allocation_and_one_model_load(runs, profile_home):
+    """extract.shards_per_allocation: 2 with `--group-components extract=2 --cores <CPUs of one
+    extract job>` (docs/engine-reuse.md#on-slurm): both shards' extract jobs run in one
+    allocation, and the engine server the first starts serves the second."""
+    workdir = runs["workdir"]
+    fp_dir = hidden_dir(workdir)
+    for shard in runs["shards"]:  # extracted again, same fingerprint and plan
+        for suffix in (".safetensors", ".json", ".verify.json"):
+            (fp_dir / f"{shard}{suffix}").unlink()
+    grouped = merged(CONFIG, {"extract": {"shards_per_allocation": 2}})
+    cpus = str(CONFIG["extract"]["cpus_per_job"])
+    p = snakemake_slurm(
+        workdir,
+        profile_home,
+        "extract",
+        "--group-components",
+        "extract=2",
+        "--cores",
+        cpus,
+        config=grouped,
+    )
+    assert p.returncode == 0, fail_msg(p)
+    assert len(p.submitted) == 1, p.submitted  # one allocation for both extract jobs
+    (job,) = sacct([j for j, _ in p.submitted]).values()
+    assert job["state"] == "COMPLETED" and "gres/gpu=4" in job["tres"], job
+    records = [json.loads((fp_dir / f"{s}.json").read_text()) for s in runs["shards"]]
+    assert all(r["engine"]["server"] for r in records)
+    assert sorted(r["engine"]["loaded_here"] for r in records) == [False, True], records
+    assert len({r["engine"]["server_pid"] for r in records}) == 1, records
+    summary = pd.read_csv(fp_dir / "verify_summary.tsv", sep="\t")
+    assert sorted(summary["shard_id"]) == runs["shards"] and summary["ok"].all()
