@@ -74,14 +74,16 @@ class ShardFile:
     ) -> None:
         """Write `states` [n, k, hidden] (in fp8 the codes, any 1-byte dtype) and `scales`
         [n, k] as rows lo..lo+n, layer columns column..column+k, then flush them to disk."""
-        with open(self.path, "r+b") as f:
-            self._write(f, "hidden_states", lo, column, states, self.state_bytes)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            self._write(fd, "hidden_states", lo, column, states, self.state_bytes)
             if scales is not None:
-                self._write(f, SCALES_KEY, lo, column, scales, 4)
-            f.flush()
-            os.fdatasync(f.fileno())
+                self._write(fd, SCALES_KEY, lo, column, scales, 4)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
-    def _write(self, f, name: str, lo: int, column: int, t: torch.Tensor, item_bytes: int):
+    def _write(self, fd: int, name: str, lo: int, column: int, t: torch.Tensor, item_bytes: int):
         n, k = t.shape[0], t.shape[1]
         data = t.contiguous().view(torch.uint8).reshape(n, k * item_bytes).numpy()
         row = self.n_layers * item_bytes
@@ -89,13 +91,20 @@ class ShardFile:
         if start + n * row > self.spans[name][1]:
             raise ValueError(f"{self.path}: rows {lo}..{lo + n - 1} lie beyond {name}")
         if k == self.n_layers:  # whole rows: one contiguous write
-            os.pwrite(f.fileno(), memoryview(data).cast("B"), start)
+            _pwrite_all(fd, memoryview(data).cast("B"), start)
             return
-        # A pipeline stage's layers: a strided block of columns within each row.
-        mm = np.memmap(f, dtype=np.uint8, mode="r+", offset=start, shape=(n, row))
-        mm[:, column * item_bytes : (column + k) * item_bytes] = data
-        mm.flush()
-        del mm
+        # A pipeline stage's layers: its columns of each row, one write per row. Byte-range
+        # writes, not a shared mapping: stages on other nodes write the other columns of the
+        # same pages, and a network filesystem writes back what each client dirtied.
+        offset = start + column * item_bytes
+        for r in range(n):
+            _pwrite_all(fd, memoryview(data[r]), offset + r * row)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 @dataclass(frozen=True)
