@@ -136,7 +136,12 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
     from eagleflow.capture.reference import load_reference_model
     from eagleflow.engine.builder import build_engine, stop_engine
     from eagleflow.engine.settings import EngineSettings
-    from eagleflow.extract.shard import CAPTURE_WORKER
+    from eagleflow.extract.shard import (
+        CAPTURE_WORKER,
+        chunk_targets,
+        prepare_shard_file,
+        shard_chunks,
+    )
     from eagleflow.fixtures.bundled_data import generate_conversations
     from eagleflow.fixtures.tiny_target import build_tiny_target
     from eagleflow.target.layers import default_layer_ids
@@ -163,11 +168,12 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
         # An error in the other node's worker alone (no file for stage 1) reaches this process
         # with its traceback (vLLM 0.32 then stops the engine: a failed collective_rpc is
         # fatal to its engine core).
+        chunks = shard_chunks(target.shard, plan, tmp_path / "x" / "s.safetensors", 400)
+        shard_file = prepare_shard_file(chunks, plan, "bfloat16")
+        stage0_only = {"0": chunk_targets(chunks, plan, shard_file, 0)["0"].to_json()}
         llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
         with pytest.raises(Exception, match="(?s)eagleflow_expect.*worker traceback.*KeyError"):
-            llm.collective_rpc(
-                "eagleflow_expect", args=(0, ["r"], [1], bytes(8), {"0": str(tmp_path / "x")}, {})
-            )
+            llm.collective_rpc("eagleflow_expect", args=(0, ["r"], [1], bytes(8), stage0_only))
     finally:
         stop_engine(llm)
     assert node.poll() is not None  # the other node's workers stop with the engine
