@@ -6,7 +6,8 @@ its own files, log, record and verification. The loads are counted in the server
 `LOADED` line per model load); every shard is checked per sample against the per-shard path
 (tokens equal, states within the CPU engine's run-to-run noise), and the kill tests show that
 a SIGKILL of the whole run, or of the engine alone, leaves only committed chunks that a rerun
-keeps."""
+keeps. Regeneration's jobs share a generate server the same way: one load for three source
+shards, byte for byte the replies of per-job engines (greedy)."""
 
 import json
 import os
@@ -28,6 +29,7 @@ from support.workflow_runner import (
     hidden_dir,
     merged,
     snakemake,
+    started_jobs,
     write_config,
 )
 
@@ -39,9 +41,9 @@ MANY = merged(SMALL, {"data": {"shard_size": 32}})
 MANY_CHUNKED = merged(MANY, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
 
 
-def engine_loads(workdir) -> int:
+def engine_loads(workdir, stage="extract") -> int:
     """Model loads of a run's engine servers: one LOADED line per load in their logs."""
-    logs = (workdir / "results" / "logs" / "extract").glob("*/engine-*.log")
+    logs = (workdir / "results" / "logs" / stage).glob("**/engine-*.log")
     return sum(p.read_text().count(LOADED) for p in logs)
 
 
@@ -229,3 +231,65 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp
     files = shard_files(work)
     assert len(files) >= 12 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2
+
+
+# The embedded default's regeneration settings on 150 bundled conversations: three source
+# shards of 50 (three regenerate_shard jobs), chunks of 25, short replies.
+REGEN_SHARDS = {
+    "data": {
+        "bundled_conversations": 150,
+        "shard_size": 50,
+        "regenerate": {
+            "enabled": True,
+            "mla": False,
+            "max_num_seqs": 64,
+            "max_new_tokens": 8,
+            "shard_rows": 50,
+            "chunk_rows": 25,
+        },
+    }
+}
+
+
+def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(tmp_path):
+    work = tmp_path / "regen"
+    work.mkdir()
+    out = work / "results" / "regenerated"
+    # The dataset, the embedded target and the split first: the arms time the jobs alone.
+    snakemake(work, "results/regenerated/sources.json", config=REGEN_SHARDS)
+    ids = [s["id"] for s in json.loads((out / "sources.json").read_text())["shards"]]
+    assert len(ids) == 3
+    figures, files = {}, {}
+    for arm, reuse in (("per-job engines", False), ("engine reuse", True)):
+        for i in ids:
+            for suffix in (".jsonl", ".rejects.jsonl", ".summary.json"):
+                (out / f"{i}{suffix}").unlink(missing_ok=True)
+        t0 = time.time()
+        proc = snakemake(
+            work, "regenerate", config=merged(REGEN_SHARDS, {"extract": {"engine_reuse": reuse}})
+        )
+        wall = time.time() - t0
+        assert started_jobs(proc.stdout + proc.stderr).get("regenerate_shard") == 3
+        files[arm] = {i: (out / f"{i}.jsonl").read_bytes() for i in ids}
+        summaries = [json.loads((out / f"{i}.summary.json").read_text()) for i in ids]
+        figures[arm] = (wall, summaries)
+    per_job, reuse = figures["per-job engines"][1], figures["engine reuse"][1]
+    # Greedy decoding: the shared engine answers exactly as each job's own engine did.
+    assert files["engine reuse"] == files["per-job engines"]
+    assert all(s["model_loaded"] and not s["engine"]["server"] for s in per_job)
+    assert engine_loads(work, "regenerate") == 1  # the reuse arm's only server
+    (loaded,) = [s for s in reuse if s["model_loaded"]]  # the job that started the server
+    assert all(s["engine"]["server"] for s in reuse)
+    assert len({s["engine"]["server_pid"] for s in reuse}) == 1
+    assert all(s["tokens_per_second"] > 0 for s in reuse)
+    # engine_start_s: the load for the job that started the server, a connection for the rest
+    assert max(s["engine_start_s"] for s in reuse if s is not loaded) < loaded["engine_start_s"]
+    for i in ids:  # each job's log keeps its progress bar and its last line
+        log = (work / "results" / "logs" / "regenerate" / f"{i}.log").read_text()
+        assert "generated tok/s" in log and f"source shard {i} done" in log
+    for arm, (wall, summaries) in figures.items():
+        print(
+            f"\nregeneration, 3 source shards, {arm}: {wall:.0f} s wall, "
+            f"{sum(s['model_loaded'] for s in summaries)} model loads, engine start per job "
+            f"{[s['engine_start_s'] for s in summaries]} s"
+        )
