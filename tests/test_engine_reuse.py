@@ -233,27 +233,34 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp
     assert engine_loads(work) == 2
 
 
-# The embedded default's regeneration settings on 150 bundled conversations: three source
-# shards of 50 (three regenerate_shard jobs), chunks of 25, short replies.
+# The embedded default's regeneration settings on 60 conversations: three source shards of 20
+# (three regenerate_shard jobs), chunks of 10, short replies. The embedded target is built from
+# 150 bundled conversations.
 REGEN_SHARDS = {
     "data": {
+        "path": "my-data.jsonl",
         "bundled_conversations": 150,
-        "shard_size": 50,
+        "shard_size": 20,
         "regenerate": {
             "enabled": True,
             "mla": False,
             "max_num_seqs": 64,
             "max_new_tokens": 8,
-            "shard_rows": 50,
-            "chunk_rows": 25,
+            "shard_rows": 20,
+            "chunk_rows": 10,
         },
     }
 }
 
 
 def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(tmp_path):
+    from eagleflow.fixtures.bundled_data import generate_conversations
+
     work = tmp_path / "regen"
     work.mkdir()
+    with open(work / "my-data.jsonl", "w") as f:
+        for row in generate_conversations(60, seed=7):
+            f.write(json.dumps(row) + "\n")
     out = work / "results" / "regenerated"
     # The dataset, the embedded target and the split first: the arms time the jobs alone.
     snakemake(work, "results/regenerated/sources.json", config=REGEN_SHARDS)

@@ -303,6 +303,7 @@ def regenerate_source_shard(
         from eagleflow.target.load import load_tokenizer
 
         render = chat_renderer(load_tokenizer(target_dir))
+        t_engine = time.time()
         if generate is None:
             settings = engine or EngineSettings(
                 str(target_dir), max_model_len=max_length + max_new_tokens
@@ -312,7 +313,7 @@ def regenerate_source_shard(
             getattr(generate, "engine", None) or {**engine_info, "loaded_here": True}
         )
         # Until the engine was ready: the load when this job paid it, else the connection.
-        started = time.time() - t0
+        started = time.time() - t_engine
         bar = tqdm(
             total=len(conversations),
             initial=sum(len(chunks[i]) for i in done),
