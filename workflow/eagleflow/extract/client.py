@@ -224,7 +224,11 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
             conn.recv()
             conn.close()
         except (OSError, EOFError, ValueError):
-            pass  # gone meanwhile, or not an engine server of ours
+            if not alive(pid):
+                continue  # it stopped meanwhile
+            # Not reachable (its key file replaced): nobody can use it; it idles out.
+            log(f"engine: could not ask the {entry.get('kind')} engine server pid {pid} to stop")
+            continue
         deadline = time.time() + RELEASE_TIMEOUT_S
         while alive(pid) and time.time() < deadline:
             time.sleep(0.2)
