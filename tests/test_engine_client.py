@@ -18,7 +18,7 @@ from test_regenerate import IDENTITY, rows_of, shard_files
 from eagleflow.data.regenerate import counting_generator, regenerate_source_shard
 from eagleflow.data.sources import split_sources
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import LOADED, EngineClient, ServerSpec, alive
+from eagleflow.extract.client import LOADED, EngineClient, ServerSpec, alive, registry_dir
 from support.fake_engine_server import DIE, FAIL, reply
 from support.workflow_runner import REPO
 
@@ -47,6 +47,12 @@ def spec(tmp_path, monkeypatch):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
+            pass
+    for path in registry_dir().glob("*.json"):  # and their entries in the registry
+        try:
+            if json.loads(path.read_text()).get("pid") in started:
+                path.unlink(missing_ok=True)
+        except (OSError, ValueError):
             pass
 
 

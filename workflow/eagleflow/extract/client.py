@@ -208,13 +208,13 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
     for path in sorted(registry_dir().glob("*.json")):
         try:
             entry = json.loads(path.read_text())
-            if entry["key"] == keep or tuple(entry["run"]) != tuple(run):
-                continue
             pid = int(entry["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if not alive(pid):
             path.unlink(missing_ok=True)  # a server killed before it could remove its entry
+            continue
+        if entry.get("key") == keep or tuple(entry.get("run") or ()) != tuple(run):
             continue
         try:
             authkey = bytes.fromhex(Path(entry["keyfile"]).read_text())
