@@ -6,7 +6,8 @@ its own files, log, record and verification. The loads are counted in the server
 `LOADED` line per model load); every shard is checked per sample against the per-shard path
 (tokens equal, states within the CPU engine's run-to-run noise), and the kill tests show that
 a SIGKILL of the whole run, or of the engine alone, leaves only committed chunks that a rerun
-keeps."""
+keeps. Regeneration's jobs share a generate server the same way: one load for three source
+shards, byte for byte the replies of per-job engines (greedy)."""
 
 import json
 import os
@@ -28,6 +29,7 @@ from support.workflow_runner import (
     hidden_dir,
     merged,
     snakemake,
+    started_jobs,
     write_config,
 )
 
@@ -39,9 +41,9 @@ MANY = merged(SMALL, {"data": {"shard_size": 32}})
 MANY_CHUNKED = merged(MANY, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
 
 
-def engine_loads(workdir) -> int:
+def engine_loads(workdir, stage="extract") -> int:
     """Model loads of a run's engine servers: one LOADED line per load in their logs."""
-    logs = (workdir / "results" / "logs" / "extract").glob("*/engine-*.log")
+    logs = (workdir / "results" / "logs" / stage).glob("**/engine-*.log")
     return sum(p.read_text().count(LOADED) for p in logs)
 
 
@@ -180,7 +182,13 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    kept = {p: load_file(str(p)) for p in partial_chunks(work)}
+    # What the kill left committed: chunk markers, their rows written in place in the partial
+    # shard file (eagleflow.store.chunks), to find byte for byte in the finished shard.
+    kept = {}
+    for marker in partial_chunks(work):
+        lo, hi = json.loads(marker.read_text())["tokens"]
+        with safe_open(str(marker.parent / "shard.safetensors"), framework="pt") as f:
+            kept[marker] = (lo, hi, f.get_slice("hidden_states")[lo:hi])
     assert kept
     # The server belongs to the killed run: it stops by itself (it is in its own session).
     (pid,) = server_pids(work)
@@ -191,19 +199,11 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
     assert len(files) >= 12 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2  # one per run
     assert not partial_chunks(work)
-    # Every chunk the kill left committed is in its shard, byte for byte.
-    for path, chunk in kept.items():
-        shard_id = path.parent.name
+    # Every chunk the kill left committed is in its shard, byte for byte, in its place.
+    for marker, (lo, hi, rows) in kept.items():
+        shard_id = marker.parent.name
         t = load_file(str(hidden_dir(work) / f"{shard_id}.safetensors"))
-        ids = t["input_ids"]
-        n = len(chunk["input_ids"])
-        starts = [
-            i
-            for i in range(len(ids) - n + 1)
-            if torch.equal(ids[i : i + n], chunk["input_ids"])
-            and torch.equal(t["hidden_states"][i : i + n], chunk["hidden_states"])
-        ]
-        assert starts, f"chunk {path.name} of {shard_id} not kept"
+        assert torch.equal(t["hidden_states"][lo:hi], rows), f"{marker.name} of {shard_id}"
 
 
 def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp_path):
@@ -229,3 +229,72 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp
     files = shard_files(work)
     assert len(files) >= 12 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2
+
+
+# The embedded default's regeneration settings on 60 conversations: three source shards of 20
+# (three regenerate_shard jobs), chunks of 10, short replies. The embedded target is built from
+# 150 bundled conversations.
+REGEN_SHARDS = {
+    "data": {
+        "path": "my-data.jsonl",
+        "bundled_conversations": 150,
+        "shard_size": 20,
+        "regenerate": {
+            "enabled": True,
+            "mla": False,
+            "max_num_seqs": 64,
+            "max_new_tokens": 8,
+            "shard_rows": 20,
+            "chunk_rows": 10,
+        },
+    }
+}
+
+
+def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(tmp_path):
+    from eagleflow.fixtures.bundled_data import generate_conversations
+
+    work = tmp_path / "regen"
+    work.mkdir()
+    with open(work / "my-data.jsonl", "w") as f:
+        for row in generate_conversations(60, seed=7):
+            f.write(json.dumps(row) + "\n")
+    out = work / "results" / "regenerated"
+    # The dataset, the embedded target and the split first: the arms time the jobs alone.
+    snakemake(work, "results/regenerated/sources.json", config=REGEN_SHARDS)
+    ids = [s["id"] for s in json.loads((out / "sources.json").read_text())["shards"]]
+    assert len(ids) == 3
+    figures, files = {}, {}
+    for arm, reuse in (("per-job engines", False), ("engine reuse", True)):
+        for i in ids:
+            for suffix in (".jsonl", ".rejects.jsonl", ".summary.json"):
+                (out / f"{i}{suffix}").unlink(missing_ok=True)
+        t0 = time.time()
+        proc = snakemake(
+            work, "regenerate", config=merged(REGEN_SHARDS, {"extract": {"engine_reuse": reuse}})
+        )
+        wall = time.time() - t0
+        assert started_jobs(proc.stdout + proc.stderr).get("regenerate_shard") == 3
+        files[arm] = {i: (out / f"{i}.jsonl").read_bytes() for i in ids}
+        summaries = [json.loads((out / f"{i}.summary.json").read_text()) for i in ids]
+        figures[arm] = (wall, summaries)
+    per_job, reuse = figures["per-job engines"][1], figures["engine reuse"][1]
+    # Greedy decoding: the shared engine answers exactly as each job's own engine did.
+    assert files["engine reuse"] == files["per-job engines"]
+    assert all(s["model_loaded"] and not s["engine"]["server"] for s in per_job)
+    assert engine_loads(work, "regenerate") == 1  # the reuse arm's only server
+    (loaded,) = [s for s in reuse if s["model_loaded"]]  # the job that started the server
+    assert all(s["engine"]["server"] for s in reuse)
+    assert len({s["engine"]["server_pid"] for s in reuse}) == 1
+    assert all(s["tokens_per_second"] > 0 for s in reuse)
+    # engine_start_s: the load for the job that started the server, a connection for the rest
+    assert max(s["engine_start_s"] for s in reuse if s is not loaded) < loaded["engine_start_s"]
+    for i in ids:  # each job's log keeps its progress bar and its last line
+        log = (work / "results" / "logs" / "regenerate" / f"{i}.log").read_text()
+        assert "generated tok/s" in log and f"source shard {i} done" in log
+    for arm, (wall, summaries) in figures.items():
+        print(
+            f"\nregeneration, 3 source shards, {arm}: {wall:.0f} s wall, "
+            f"{sum(s['model_loaded'] for s in summaries)} model loads, engine start per job "
+            f"{[s['engine_start_s'] for s in summaries]} s"
+        )

@@ -82,8 +82,9 @@ def test_pipeline_and_multi_node_jobs_ask_for_every_worker_s_gpu():
     assert jr.extract_mem_mb(cpu, 2**30) == 1024 + 2 * 1024 + 2048
 
 
-def test_regeneration_rates_come_from_finished_shards_that_loaded_the_model(tmp_path):
-
+def test_regeneration_rates_come_from_finished_shards_and_the_load_from_those_that_loaded(
+    tmp_path,
+):
     assert jr.measured_regeneration(tmp_path) == (None, None)
     for name, rec in {
         "a": {"model_loaded": True, "tokens_per_second": 100.0, "engine_start_s": 30.0},
@@ -92,6 +93,11 @@ def test_regeneration_rates_come_from_finished_shards_that_loaded_the_model(tmp_
     }.items():
         (tmp_path / f"{name}.summary.json").write_text(json.dumps(rec))
     assert jr.measured_regeneration(tmp_path) == (200.0, 50.0)
+    # A job served by another job's engine server (engine reuse): its decode rate counts, its
+    # engine start (a connection, not a load) does not.
+    reused = {"model_loaded": False, "tokens_per_second": 400.0, "engine_start_s": 1.0}
+    (tmp_path / "d.summary.json").write_text(json.dumps(reused))
+    assert jr.measured_regeneration(tmp_path) == (300.0, 50.0)
     # the time limit grows with the prompts and the attempt
     one = jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=1)
     assert jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=2) == 2 * one

@@ -44,13 +44,17 @@ def measured_regeneration():
 def regenerate_runtime(wildcards, attempt):
     """SLURM time limit: the shard's user turns x max_new_tokens at the measured decode rate
     (finished shards' summaries, else data.regenerate.tokens_per_second), plus the model load
-    (measured, else extract.model_load_minutes), times the attempt."""
+    (measured, else extract.model_load_minutes), times the attempt. In a group of N that
+    shares one engine server (REGENERATE_GROUP), each job carries 1/N of the load."""
     (entry,) = [s for s in source_shards() if s["id"] == wildcards.source]
     tokens_per_second, engine_start_s = measured_regeneration()
+    load = engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"]
+    if REGENERATE_GROUP and EXTRACT["engine_reuse"]:
+        load /= SHARDS_PER_ALLOCATION
     return jobres.extract_runtime_minutes(
         entry["prompts"] * REGENERATE["max_new_tokens"],
         tokens_per_second or REGENERATE["tokens_per_second"],
-        engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"],
+        load,
         attempt=attempt,
     )
 

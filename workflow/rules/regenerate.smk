@@ -2,7 +2,9 @@
 # target's own greedy replies through vLLM (prompt-only datasets completed the same way).
 # split_sources cuts data.path into content-addressed source shards (eagleflow.data.sources);
 # one regenerate_shard job per shard commits its replies in chunks and resumes after a kill
-# (eagleflow.data.regenerate). The shard rule reads the regenerated shards in dataset order.
+# (eagleflow.data.regenerate); with extract.engine_reuse the jobs share one loaded engine
+# (docs/engine-reuse.md#regeneration). The shard rule reads the regenerated shards in dataset
+# order.
 
 
 localrules:
@@ -52,6 +54,10 @@ rule regenerate_shard:
         f"{R}/logs/regenerate/{{source}}.log",
     benchmark:
         f"{R}/benchmarks/regenerate/{{source}}.tsv"
+    # extract.shards_per_allocation > 1: N source shards per SLURM allocation, answered by one
+    # generate engine server (resources.smk, docs/engine-reuse.md#regeneration); None otherwise.
+    group:
+        REGENERATE_GROUP
     conda:
         CONDA_ENV
     threads: extract_threads

@@ -66,11 +66,14 @@ def all_cores_or(n):
     return lambda wildcards: local_cores(wildcards) or n
 
 
-# Engine reuse on a cluster (docs/engine-reuse.md#on-slurm): extract jobs in group "extract",
-# N to an allocation with `--group-components extract=N --cores <CPUs of one extract job>`,
-# run one after another there, the engine server started by the first serving the others.
+# Engine reuse on a cluster (docs/engine-reuse.md#on-slurm): extract jobs in group "extract"
+# and regenerate_shard jobs in group "regenerate", N to an allocation with
+# `--group-components extract=N regenerate=N --cores <CPUs of one extract job>`, run one after
+# another there, the engine server started by the first serving the others (a capture server
+# for extract jobs, a generate server for regenerate jobs: never one for both).
 # Snakemake stacks a group's jobs (runtime summed, GPUs and CPUs of one job) only when two of
 # them do not fit side by side in --cores; with more cores it asks for N times the GPUs.
 # Local runs ignore groups.
 SHARDS_PER_ALLOCATION = EXTRACT["shards_per_allocation"]
 EXTRACT_GROUP = "extract" if SHARDS_PER_ALLOCATION > 1 else None
+REGENERATE_GROUP = "regenerate" if SHARDS_PER_ALLOCATION > 1 else None

@@ -2,10 +2,14 @@ import json
 
 from eagleflow.draft.acceptance import EvalSettings, evaluate
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.client import release_idle_servers, this_run
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):
     import torch
+
+    # An engine server of this run still idling (docs/engine-reuse.md) frees the devices first.
+    release_idle_servers(this_run())
 
     torch.set_num_threads(snakemake.threads)
     report = evaluate(

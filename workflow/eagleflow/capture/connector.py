@@ -20,9 +20,9 @@ shared lock, so a reader sleeps until then). The request's output carries the fi
 eagleflow writes those per-request files' rows into its shard file and commits the chunk, as
 the worker-side strategies do (`eagleflow.store.shardfile.ChunkTarget`), checking every
 request's tokens against the sample's, so the shard files are identical in keys, dtypes and
-layout whatever the strategy. With `storage_dtype` float8_e4m3fn in the plan, the states are quantized here (on
-the host: the connector has already copied them there) into `hidden_states` (F8_E4M3) and
-`hidden_scales`, as the worker-side strategies do on the device.
+layout whatever the strategy. With `storage_dtype` float8_e4m3fn in the plan, the states are
+quantized here (on the host: the connector has already copied them there) into
+`hidden_states` (F8_E4M3) and `hidden_scales`, as the worker-side strategies do on the device.
 """
 
 from __future__ import annotations

@@ -109,9 +109,10 @@ def regenerate_conversations(
     return rows, bad, stats
 
 
-def vllm_generator(settings: EngineSettings, max_new_tokens: int):
-    """generate(prompt id lists) -> greedy reply texts through vLLM's `LLM.generate` (stops at
-    the tokenizer's end-of-turn token or after `max_new_tokens`), and the finish counts.
+def start_generate_engine(settings: EngineSettings):
+    """The engine regeneration answers with: no capture hooks, prefix caching on (a round's
+    prompts extend the previous round's), CUDA graphs on GPUs (they speed up decoding; the CPU
+    backend runs eager). A per-job generator and the shared engine server both build it here.
 
     `settings.max_num_seqs`: vLLM's cap on sequences decoded together (None: vLLM's default);
     one `generate` call hands vLLM a whole round, so on a CPU a larger cap means fewer, fuller
@@ -120,30 +121,55 @@ def vllm_generator(settings: EngineSettings, max_new_tokens: int):
     every step and full per-head K/V cached) instead of `DeepseekV2MLAAttention` (the latent
     cached, `kv_b_proj` absorbed into the query/output): the same weights and, on paper, the
     same function, decoded much faster by vLLM's CPU backend (docs/measurements/)."""
+    from eagleflow.engine.builder import build_engine
+
+    return build_engine(settings, eager=settings.device == "cpu")
+
+
+def generate_replies(llm, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+    """One batched greedy `LLM.generate` over prompt id lists: (text, finish reason, generated
+    token count) per prompt, in order. Stops at the tokenizer's end-of-turn token or after
+    `max_new_tokens`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagleflow.engine.builder import build_engine
-
-    # CUDA graphs speed up decoding on GPUs; the CPU backend runs eager.
-    llm = build_engine(settings, eager=settings.device == "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
+        params,
+        use_tqdm=False,
+    )
+    return [
+        (o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
+        for o in outputs
+    ]
+
+
+def counting_generator(replies_of):
+    """generate(prompt id lists) -> reply texts over `replies_of` (prompts -> (text, finish
+    reason, generated tokens) per prompt), and the finish counts it keeps. `generate.stats`
+    sums the generated tokens and the seconds spent waiting for replies."""
     finished = {"stop": 0, "length": 0}
 
     def generate(prompts):
         t0 = time.time()
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
-        for o in outputs:
-            reason = o.outputs[0].finish_reason
+        replies = replies_of(prompts)
+        for _, reason, n in replies:
             finished[reason] = finished.get(reason, 0) + 1
-            generate.stats["generated_tokens"] += len(o.outputs[0].token_ids)
+            generate.stats["generated_tokens"] += n
         generate.stats["generate_s"] += time.time() - t0
-        return [o.outputs[0].text for o in outputs]
+        return [text for text, _, _ in replies]
 
     generate.stats = {"generated_tokens": 0, "generate_s": 0.0}
     return generate, finished
+
+
+def vllm_generator(settings: EngineSettings, max_new_tokens: int):
+    """generate(prompt id lists) -> greedy reply texts through an engine of this job's own
+    (`start_generate_engine`), and the finish counts. The shared engine server's client
+    (eagleflow.extract.client, docs/engine-reuse.md) makes the same calls in the server."""
+    llm = start_generate_engine(settings)
+    return counting_generator(lambda prompts: generate_replies(llm, prompts, max_new_tokens))
 
 
 def chat_renderer(tokenizer):
@@ -220,6 +246,7 @@ def regenerate_source_shard(
     on_bad_row: str = "error",
     engine: EngineSettings | None = None,
     generate=None,
+    generator=None,
     log=print,
 ) -> dict:
     """Regenerate one source shard (eagleflow.data.sources) of `dataset_path`.
@@ -229,7 +256,12 @@ def regenerate_source_shard(
     to `.partial/<id>/chunk-NNNNN.json` (temporary name, then rename). A rerun after a kill
     keeps the committed chunks as they are and answers only the others, in the same batches an
     uninterrupted run uses: with greedy decoding the shard comes out the same. A job whose
-    chunks are all committed loads no model. `generate` replaces vLLM (tests)."""
+    chunks are all committed loads no model and connects to no engine.
+
+    `generator(settings, max_new_tokens) -> (generate, finish counts)` makes the generator when
+    there are chunks to answer: `vllm_generator` (an engine of this job's own) by default, or
+    the shared engine server's client (docs/engine-reuse.md), whose `generate.engine` says
+    whether this job loaded the model. `generate` replaces vLLM altogether (tests)."""
     from eagleflow.data.sources import shard_entry, shard_raw_rows, source_shard_id
 
     t0 = time.time()
@@ -261,6 +293,9 @@ def regenerate_source_shard(
         f"{len(chunks)} chunks of up to {chunk_rows}; {len(done)} chunks already committed"
     )
     finished, started = None, 0.0
+    # Whether this job paid a model load (vLLM unless a test passes its own `generate`) or was
+    # served by a shared engine server that another job started.
+    engine_info = {"server": False, "loaded_here": False, "server_pid": None}
     regenerated = {"replies": 0, "rounds": 0, "stopped_early": 0}
     if todo:
         from tqdm import tqdm
@@ -268,12 +303,17 @@ def regenerate_source_shard(
         from eagleflow.target.load import load_tokenizer
 
         render = chat_renderer(load_tokenizer(target_dir))
+        t_engine = time.time()
         if generate is None:
             settings = engine or EngineSettings(
                 str(target_dir), max_model_len=max_length + max_new_tokens
             )
-            generate, finished = vllm_generator(settings, max_new_tokens)
-        started = time.time() - t0
+            generate, finished = (generator or vllm_generator)(settings, max_new_tokens)
+        engine_info = dict(
+            getattr(generate, "engine", None) or {**engine_info, "loaded_here": True}
+        )
+        # Until the engine was ready: the load when this job paid it, else the connection.
+        started = time.time() - t_engine
         bar = tqdm(
             total=len(conversations),
             initial=sum(len(chunks[i]) for i in done),
@@ -342,7 +382,8 @@ def regenerate_source_shard(
         "chunks": len(chunks),
         "chunks_resumed": len(chunks) - len(todo),
         "chunks_regenerated": len(todo),
-        "model_loaded": bool(todo),  # the generator (vLLM unless a test passes its own) ran
+        "model_loaded": engine_info["loaded_here"],
+        "engine": engine_info,
         "replies": sum(len([m for m in r["messages"] if m["role"] == "assistant"]) for r in rows),
         "replies_now": regenerated["replies"],
         "rounds_now": regenerated["rounds"],

@@ -1,15 +1,21 @@
-"""The extract job's side of a shared engine (docs/engine-reuse.md); the server is
-`eagleflow.extract.server`.
+"""A job's side of a shared engine (docs/engine-reuse.md); the server is
+`eagleflow.extract.server`. Two kinds of server, never one engine for both:
 
-The first extract job that has chunks to prefill starts a detached server process
-(`python -m eagleflow.extract.server SPEC`), under a file lock so two jobs never start two.
-The server loads the target with the capture hooks installed, then listens on a Linux abstract
-unix socket (per host, nothing to clean up) with an authkey kept in a 0600 file. Each extract
-job stays its own Snakemake job (outputs, shard lock, chunk resume, finishing, record,
-verification, log): it connects as a client and asks the server to prefill its shard. The
-server recomputes the shard's missing chunks itself when the request starts, runs the same
-`run_chunks` as a per-shard engine, streams its progress lines to the client and ends with the
-figures or the full traceback, which the client prints in the shard's log.
+- `capture` (extract jobs): the first extract job that has chunks to prefill starts a detached
+  server process (`python -m eagleflow.extract.server SPEC`), under a file lock so two jobs
+  never start two. The server loads the target with the capture hooks installed, then listens
+  on a Linux abstract unix socket (per host, nothing to clean up) with an authkey kept in a
+  0600 file. Each extract job stays its own Snakemake job (outputs, shard lock, chunk resume,
+  finishing, record, verification, log): it connects as a client and asks the server to
+  prefill its shard. The server recomputes the shard's missing chunks itself when the request
+  starts, runs the same `run_chunks` as a per-shard engine, streams its progress lines to the
+  client and ends with the figures or the full traceback, which the client prints in the
+  shard's log.
+- `generate` (regenerate_shard jobs): started and shared the same way, with the regeneration
+  engine (`eagleflow.data.regenerate.start_generate_engine`, no capture hooks). The job keeps
+  its chunks, commits, rejects, summary and progress bar; its `generate` callable
+  (`EngineClient.generator`) sends each round's prompt ids and gets the replies, which the
+  server computes with the same `generate_replies` call a per-job engine makes.
 
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
@@ -28,15 +34,18 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
 
 from eagleflow.capture.plan import CapturePlan
+from eagleflow.data.regenerate import counting_generator
 from eagleflow.engine.settings import EngineSettings
 
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
+KINDS = ("capture", "generate")  # what a server's engine is built for, and the request it serves
 READY_TIMEOUT_S = 6 * 3600  # a load that never finishes still ends (the job's time limit first)
 
 
@@ -60,32 +69,53 @@ def snakemake_ancestor(pid: int | None = None) -> int | None:
 
 
 def alive(pid: int) -> bool:
+    """The process runs (an exited one not yet reaped by its parent does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def registry_dir() -> Path:
+    """Where this user's live servers on this host say who they are (`ServerSpec.registry_file`),
+    so that a job about to load an engine can ask the idle ones of its run to stop first."""
+    return Path(tempfile.gettempdir()) / f"eagleflow-engines-{os.getuid()}"
 
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """What a server loads and where it lives; its key names the socket, lock and files."""
+    """What a server loads and where it lives; its key names the socket, lock and files.
+
+    `kind`: "capture" (extract jobs: the capture hooks for `plan`) or "generate"
+    (regenerate_shard jobs: the regeneration engine, no plan)."""
 
     settings: EngineSettings
-    plan: CapturePlan
-    engine_dir: Path  # <hidden>/.engine: lock, spec, address file
-    log_dir: Path  # the extraction's log directory: engine-<key>.log
+    plan: CapturePlan | None
+    engine_dir: Path  # <hidden>/.engine or <regenerated>/.engine: lock, spec, key files
+    log_dir: Path  # the jobs' log directory: engine-<key>.log
     idle_seconds: float
     watch_pid: int | None = None
+    kind: str = "capture"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown engine server kind {self.kind!r}: one of {KINDS}")
+        if (self.plan is None) != (self.kind == "generate"):
+            raise ValueError("a capture server needs a capture plan; a generate server has none")
 
     @property
     def key(self) -> str:
-        """Same settings, plan, results directory, host and allocation: same server."""
+        """Same kind, settings, plan, results directory, host and allocation: same server."""
         ident = {
+            "kind": self.kind,
             "settings": asdict(self.settings),
-            "plan": self.plan.to_json(),
+            "plan": self.plan.to_json() if self.plan else None,
             "dir": str(Path(self.engine_dir).resolve()),
             "host": socket.gethostname(),
             "allocation": os.environ.get("SLURM_JOB_ID", ""),
@@ -103,25 +133,47 @@ class ServerSpec:
     def file(self, suffix: str) -> Path:
         return Path(self.engine_dir) / f"{self.key}{suffix}"
 
+    @property
+    def run(self) -> tuple:
+        """The run the server belongs to: its Snakemake process (locally) and allocation."""
+        return (self.watch_pid, os.environ.get("SLURM_JOB_ID", ""))
+
+    @property
+    def registry_file(self) -> Path:
+        return registry_dir() / f"{self.key}.json"
+
+    def registry_entry(self, pid: int) -> dict:
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "pid": pid,
+            "address": self.address,
+            "keyfile": str(Path(self.file(".key")).resolve()),
+            "run": list(self.run),
+            "log": str(self.log_path),
+        }
+
     def to_json(self) -> dict:
         return {
             "settings": asdict(self.settings),
-            "plan": self.plan.to_json(),
+            "plan": self.plan.to_json() if self.plan else None,
             "engine_dir": str(self.engine_dir),
             "log_dir": str(self.log_dir),
             "idle_seconds": self.idle_seconds,
             "watch_pid": self.watch_pid,
+            "kind": self.kind,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> ServerSpec:
         return cls(
             EngineSettings(**d["settings"]),
-            CapturePlan.from_json(d["plan"]),
+            CapturePlan.from_json(d["plan"]) if d["plan"] is not None else None,
             Path(d["engine_dir"]),
             Path(d["log_dir"]),
             float(d["idle_seconds"]),
             d["watch_pid"],
+            d.get("kind", "capture"),
         )
 
 
@@ -136,8 +188,61 @@ class ServerGone(RuntimeError):
     pass
 
 
+RELEASE_TIMEOUT_S = 300  # how long a job waits for an idle server to free the devices
+
+
+def this_run() -> tuple:
+    """The run a job belongs to, as `ServerSpec.run` (its Snakemake process, its allocation)."""
+    return (snakemake_ancestor(), os.environ.get("SLURM_JOB_ID", ""))
+
+
+def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None:
+    """Ask the engine servers of `run` (same Snakemake process locally, same SLURM allocation;
+    but not the one of key `keep`) to stop, and wait until they have: this job is about to load
+    an engine, and two engines must not hold the devices at once (the generate server idling
+    while the first extract job loads the capture engine). A server only answers when no job
+    is connected to it, so a busy one finishes its request first. Without a run to scope it
+    (no Snakemake ancestor, no allocation) nothing is asked."""
+    if tuple(run) == (None, ""):
+        return
+    for path in sorted(registry_dir().glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            pid = int(entry["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not alive(pid):
+            path.unlink(missing_ok=True)  # a server killed before it could remove its entry
+            continue
+        if entry.get("key") == keep or tuple(entry.get("run") or ()) != tuple(run):
+            continue
+        try:
+            authkey = bytes.fromhex(Path(entry["keyfile"]).read_text())
+            conn = Client(entry["address"], family="AF_UNIX", authkey=authkey)
+            conn.recv()  # hello
+            conn.send(("release",))
+            conn.recv()
+            conn.close()
+        except (OSError, EOFError, ValueError):
+            if not alive(pid):
+                continue  # it stopped meanwhile
+            # Not reachable (its key file replaced): nobody can use it; it idles out.
+            log(f"engine: could not ask the {entry.get('kind')} engine server pid {pid} to stop")
+            continue
+        deadline = time.time() + RELEASE_TIMEOUT_S
+        while alive(pid) and time.time() < deadline:
+            time.sleep(0.2)
+        log(
+            f"engine: the idle {entry.get('kind')} engine server pid {pid} of this run "
+            + ("stopped" if not alive(pid) else f"did not stop in {RELEASE_TIMEOUT_S} s")
+            + " before this job loads its engine"
+        )
+
+
 class EngineClient:
-    """An extract job's connection to the engine server of `spec` (started if needed)."""
+    """A job's connection to the engine server of `spec` (started if needed)."""
+
+    server_module = "eagleflow.extract.server"  # what `python -m` starts (tests: a fake engine)
 
     def __init__(self, spec: ServerSpec, log=print):
         self.spec, self.log = spec, log
@@ -198,10 +303,11 @@ class EngineClient:
             f.write(secrets.token_hex(32))
         spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        release_idle_servers(spec.run, keep=spec.key, log=self.log)
         self.log(f"engine: starting a server, log {spec.log_path}")
         with open(spec.log_path, "a") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "eagleflow.extract.server", str(spec.file(".spec.json"))],
+                [sys.executable, "-m", self.server_module, str(spec.file(".spec.json"))],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -222,16 +328,17 @@ class EngineClient:
         self.started_here = True
         self.log(f"engine: server pid {self.server_pid} started")
 
-    def prefill(self, tokens_path, hidden_path, chunk_tokens: int, progress=sys.stderr) -> dict:
-        """Ask the server to prefill the shard's missing chunks; its progress lines go to
-        `progress`. Returns the server's figures {tokens, chunks, seconds}."""
-        request = {
-            "tokens": str(Path(tokens_path).resolve()),
-            "hidden": str(Path(hidden_path).resolve()),
-            "chunk_tokens": chunk_tokens,
-        }
+    @property
+    def engine(self) -> dict:
+        """What a job records about its engine: served by a server, whether this job loaded
+        the model (it started the server), and the server's pid."""
+        return {"server": True, "loaded_here": self.started_here, "server_pid": self.server_pid}
+
+    def _request(self, kind: str, request: dict, doing: str, progress=sys.stderr):
+        """Send one request; relay the server's progress lines to `progress` until its answer.
+        The server's error (its traceback) or death (EOF: the tail of its log) fails the job."""
         try:
-            self.conn.send(("prefill", request))
+            self.conn.send((kind, request))
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "log":
@@ -240,10 +347,38 @@ class EngineClient:
                 elif msg[0] == "done":
                     return msg[1]
                 elif msg[0] == "error":
-                    raise RuntimeError(f"the engine server failed on this shard:\n{msg[1]}")
+                    raise RuntimeError(f"the engine server failed while {doing}:\n{msg[1]}")
         except (EOFError, OSError) as e:
             raise RuntimeError(
-                f"the engine server (pid {self.server_pid}) died while prefilling this shard "
+                f"the engine server (pid {self.server_pid}) died while {doing} "
                 f"({type(e).__name__}); its log {self.spec.log_path} ends:\n"
                 f"{log_tail(self.spec.log_path)}"
             ) from None
+
+    def prefill(self, tokens_path, hidden_path, chunk_tokens: int, progress=sys.stderr) -> dict:
+        """Ask the server to prefill the shard's missing chunks; its progress lines go to
+        `progress`. Returns the server's figures {tokens, chunks, seconds}."""
+        request = {
+            "tokens": str(Path(tokens_path).resolve()),
+            "hidden": str(Path(hidden_path).resolve()),
+            "chunk_tokens": chunk_tokens,
+        }
+        return self._request("prefill", request, "prefilling this shard", progress)
+
+    def generate(self, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+        """One round: the server's `generate_replies` over these prompt id lists, (text,
+        finish reason, generated tokens) per prompt, in order."""
+        request = {
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "max_new_tokens": max_new_tokens,
+        }
+        return self._request("generate", request, "generating this shard's replies")
+
+    def generator(self, max_new_tokens: int):
+        """(generate, finish counts) for `regenerate_source_shard`, answered by the server;
+        `generate.engine` is this job's engine record."""
+        generate, finished = counting_generator(
+            lambda prompts: self.generate(prompts, max_new_tokens)
+        )
+        generate.engine = self.engine
+        return generate, finished

@@ -134,7 +134,9 @@ def extract_runtime_minutes(
 
 def measured_regeneration(regenerated_dir: str | Path) -> tuple[float | None, float | None]:
     """(median generated tokens/s, longest engine start in s) over the summaries of finished
-    regeneration shards that loaded the model; None where none has measured it yet."""
+    regeneration shards: the rate of every shard that generated, the start of those that
+    loaded the model (with engine reuse, the job that started the server; the others only
+    connected); None where none has measured it yet."""
     rates, starts = [], []
     d = Path(regenerated_dir)
     if d.is_dir():
@@ -143,8 +145,9 @@ def measured_regeneration(regenerated_dir: str | Path) -> tuple[float | None, fl
                 rec = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
-            if rec.get("model_loaded") and rec.get("tokens_per_second"):
+            if rec.get("tokens_per_second"):
                 rates.append(float(rec["tokens_per_second"]))
+            if rec.get("model_loaded"):
                 starts.append(float(rec.get("engine_start_s") or 0))
     starts = [s for s in starts if s > 0]
     return (statistics.median(rates) if rates else None, max(starts) if starts else None)

@@ -1,9 +1,10 @@
-"""The engine server: one loaded engine serves many extract jobs (docs/engine-reuse.md).
+"""The engine server: one loaded engine serves many jobs (docs/engine-reuse.md).
 
-Started by an extract job's `EngineClient` (eagleflow.extract.client), which also documents the
-protocol: it loads the target with the capture hooks, then prefills the shards its clients send,
-one request at a time, and exits when idle, when its Snakemake run is gone, or after a failed
-request.
+Started by a job's `EngineClient` (eagleflow.extract.client), which also documents the
+protocol. A `capture` server loads the target with the capture hooks and prefills the shards
+its extract jobs send; a `generate` server loads the regeneration engine and answers the
+rounds its regenerate_shard jobs send. Either serves one request at a time and exits when idle,
+when its Snakemake run is gone, or after a failed request.
 """
 
 from __future__ import annotations
@@ -34,31 +35,107 @@ class _ToClient:
         pass
 
 
-def serve(spec: ServerSpec) -> None:
-    from eagleflow.data.shards import read_token_shard
-    from eagleflow.extract.shard import (
-        Timings,
-        run_chunks,
-        shard_file_of,
-        start_capture_engine,
-        stop_capture_engine,
-    )
-    from eagleflow.store.chunks import ShardChunks
+class CaptureEngine:
+    """An extract jobs' server: the target with the capture hooks for the spec's plan; serves
+    `prefill` requests with the same `run_chunks` loop as a per-shard engine."""
 
-    print(f"eagleflow engine server {spec.key}: pid {os.getpid()}, loading", flush=True)
+    request = "prefill"
+
+    def __init__(self, spec: ServerSpec):
+        from eagleflow.extract.shard import start_capture_engine
+
+        self.spec = spec
+        self.llm = start_capture_engine(spec.settings, spec.plan, Path(spec.engine_dir))
+
+    def handle(self, req: dict, conn) -> dict:
+        from eagleflow.data.shards import read_token_shard
+        from eagleflow.extract.shard import Timings, run_chunks, shard_file_of
+        from eagleflow.store.chunks import ShardChunks
+
+        spec = self.spec
+        shard = read_token_shard(req["tokens"])
+        chunks = ShardChunks.plan(
+            shard, spec.plan.fingerprint, Path(req["hidden"]), req["chunk_tokens"]
+        )
+        # The job created the file before asking; its layout is a pure function.
+        shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
+        todo = chunks.todo()  # what is committed now, not when the client asked
+        print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
+        timings = Timings()
+        done = run_chunks(self.llm, chunks, todo, spec.plan, shard_file, timings, _ToClient(conn))
+        print(f"shard {shard.shard_id}: {done} tokens prefilled", flush=True)
+        return {"tokens": done, "chunks": len(todo), **timings.seconds}
+
+    def stop(self) -> None:
+        from eagleflow.extract.shard import stop_capture_engine
+
+        stop_capture_engine(self.llm)
+
+
+class GenerateEngine:
+    """The regenerate_shard jobs' server: the regeneration engine (no capture hooks); serves
+    `generate` requests, one round of a job's chunk each, with the same `generate_replies`
+    call as a job's own engine (eagleflow.data.regenerate)."""
+
+    request = "generate"
+
+    def __init__(self, spec: ServerSpec):
+        from eagleflow.data.regenerate import start_generate_engine
+
+        self.llm = start_generate_engine(spec.settings)
+
+    def handle(self, req: dict, conn) -> list:
+        from eagleflow.data.regenerate import generate_replies
+
+        t0 = time.perf_counter()
+        replies = generate_replies(self.llm, req["prompts"], req["max_new_tokens"])
+        print(
+            f"generate: {len(replies)} prompts answered, {sum(r[2] for r in replies)} tokens "
+            f"in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        return replies
+
+    def stop(self) -> None:
+        from eagleflow.engine.builder import stop_engine
+
+        stop_engine(self.llm)
+
+
+ENGINES = {"capture": CaptureEngine, "generate": GenerateEngine}
+
+
+def serve(spec: ServerSpec) -> None:
+    print(
+        f"eagleflow engine server {spec.key}: pid {os.getpid()}, {spec.kind} engine, loading",
+        flush=True,
+    )
     t0 = time.perf_counter()
-    llm = start_capture_engine(spec.settings, spec.plan, Path(spec.engine_dir))
+    engine = ENGINES[spec.kind](spec)
     load_s = time.perf_counter() - t0
     print(f"{LOADED} in {load_s:.1f} s", flush=True)
+    serve_requests(spec, engine, load_s)
+
+
+def serve_requests(spec: ServerSpec, engine, load_s: float) -> None:
+    """Serve `engine` (`request`, `handle(request, conn)`, `stop()`) to one client at a time
+    until idle, the Snakemake run is gone, or a request fails; never returns."""
     authkey = bytes.fromhex(spec.file(".key").read_text())
     listener = Listener(spec.address, family="AF_UNIX", authkey=authkey)
+    # Who this server is, for a job of the same run about to load another engine
+    # (eagleflow.extract.client.release_idle_servers).
+    spec.registry_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = spec.registry_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(spec.registry_entry(os.getpid())))
+    os.replace(tmp, spec.registry_file)
     state = {"busy": False, "last": time.monotonic()}
     lock = threading.Lock()
 
     def shut_down(why: str, code: int = 0):
         print(f"eagleflow engine server: {why}; stopping", flush=True)
         try:
-            stop_capture_engine(llm)
+            spec.registry_file.unlink(missing_ok=True)
+            engine.stop()
         finally:
             os._exit(code)
 
@@ -86,30 +163,23 @@ def serve(spec: ServerSpec) -> None:
                 msg = conn.recv()
                 if msg[0] == "bye":
                     break
-                req = msg[1]
-                shard = read_token_shard(req["tokens"])
-                chunks = ShardChunks.plan(
-                    shard, spec.plan.fingerprint, Path(req["hidden"]), req["chunk_tokens"]
-                )
-                # The job created the file before asking; its layout is a pure function.
-                shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
-                todo = chunks.todo()  # what is committed now, not when the client asked
-                print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
-                timings = Timings()
+                if msg[0] == "release":  # only ever the first message: no job is connected
+                    conn.send(("released",))
+                    shut_down("asked to free the devices for another engine of this run")
+                if msg[0] != engine.request:
+                    conn.send(("error", f"a {spec.kind} engine server serves no {msg[0]!r}"))
+                    continue
                 try:
-                    done = run_chunks(
-                        llm, chunks, todo, spec.plan, shard_file, timings, _ToClient(conn)
-                    )
+                    answer = engine.handle(msg[1], conn)
                 except Exception:
                     tb = traceback.format_exc()
                     print(tb, flush=True)
                     try:
                         conn.send(("error", tb))
                     finally:
-                        # The engine's queue and the workers' chunk state are unknown now.
+                        # The engine's queue (and the capture workers' chunk state) are unknown.
                         shut_down("a request failed", 1)
-                conn.send(("done", {"tokens": done, "chunks": len(todo), **timings.seconds}))
-                print(f"shard {shard.shard_id}: {done} tokens prefilled", flush=True)
+                conn.send(("done", answer))
         except (EOFError, OSError):
             # The client went away (its job was killed): whatever was committed stays.
             print("eagleflow engine server: a client went away", flush=True)

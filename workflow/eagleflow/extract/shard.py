@@ -27,7 +27,7 @@ from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
 from eagleflow.data.shards import read_token_shard
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import EngineClient, ServerSpec
+from eagleflow.extract.client import EngineClient, ServerSpec, release_idle_servers, this_run
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.shardfile import (
     ChunkTarget,
@@ -216,6 +216,7 @@ def extract_shard(
                     timings.seconds[k] = timings.seconds.get(k, 0.0) + v
         elif todo:
             with timings.phase("engine_start"):
+                release_idle_servers(this_run(), log=log)  # e.g. the run's generate server
                 llm = start_capture_engine(settings, plan, chunks.partial_dir)
             engine["loaded_here"] = True
             try:
