@@ -1,5 +1,5 @@
 """A generate engine server without vLLM, for tests of the client/server plumbing
-(tests/test_engine_client.py): eagleflow.extract.server's own serving loop around a fake
+(tests/test_engine_client.py): eagleflow.extract.server's own `serve` around a fake
 engine whose replies are a function of the prompt. Started the way a job starts the real one
 (`python -m support.fake_engine_server SPEC`, by `EngineClient` with this `server_module`)."""
 
@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from eagleflow.extract.client import LOADED, ServerSpec
-from eagleflow.extract.server import serve_requests
+from eagleflow.extract.client import ServerSpec
+from eagleflow.extract.server import serve
 
 FAIL = 100_001  # a prompt holding this id makes the engine raise
 DIE = 100_002  # ... makes the server process die in the middle of the request
@@ -39,6 +39,4 @@ class FakeEngine:
 
 if __name__ == "__main__":
     spec = ServerSpec.from_json(json.loads(Path(sys.argv[1]).read_text()))
-    print(f"eagleflow engine server {spec.key}: pid {os.getpid()}, fake engine", flush=True)
-    print(f"{LOADED} in 0.0 s", flush=True)
-    serve_requests(spec, FakeEngine(), 0.0)
+    serve(spec, build=lambda spec: FakeEngine())

@@ -275,6 +275,10 @@ class EngineClient:
         try:
             authkey = bytes.fromhex(self.spec.file(".key").read_text())
             conn = Client(self.spec.address, family="AF_UNIX", authkey=authkey)
+            # A server still loading has accepted the connection; its hello comes when loaded.
+            if not conn.poll(READY_TIMEOUT_S):
+                conn.close()
+                return False
             hello = conn.recv()
         except (OSError, EOFError, ValueError):
             return False

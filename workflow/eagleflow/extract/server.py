@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -105,37 +106,32 @@ class GenerateEngine:
 ENGINES = {"capture": CaptureEngine, "generate": GenerateEngine}
 
 
-def serve(spec: ServerSpec) -> None:
+def serve(spec: ServerSpec, build=None) -> None:
+    """Load the engine and serve it to one client at a time until idle, the Snakemake run is
+    gone, or a request fails; never returns. The engine (`request`, `handle(request, conn)`,
+    `stop()`) comes from `build(spec)`, by default the one of the spec's kind.
+
+    The address is bound and the watchdog runs before the load: a second server for the same
+    key cannot start while this one loads (a client that connects meanwhile waits for the
+    hello), and a server whose Snakemake run dies during the load stops at once instead of
+    finishing a load nobody will use."""
     print(
         f"eagleflow engine server {spec.key}: pid {os.getpid()}, {spec.kind} engine, loading",
         flush=True,
     )
-    t0 = time.perf_counter()
-    engine = ENGINES[spec.kind](spec)
-    load_s = time.perf_counter() - t0
-    print(f"{LOADED} in {load_s:.1f} s", flush=True)
-    serve_requests(spec, engine, load_s)
-
-
-def serve_requests(spec: ServerSpec, engine, load_s: float) -> None:
-    """Serve `engine` (`request`, `handle(request, conn)`, `stop()`) to one client at a time
-    until idle, the Snakemake run is gone, or a request fails; never returns."""
     authkey = bytes.fromhex(spec.file(".key").read_text())
     listener = Listener(spec.address, family="AF_UNIX", authkey=authkey)
-    # Who this server is, for a job of the same run about to load another engine
-    # (eagleflow.extract.client.release_idle_servers).
-    spec.registry_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = spec.registry_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(spec.registry_entry(os.getpid())))
-    os.replace(tmp, spec.registry_file)
-    state = {"busy": False, "last": time.monotonic()}
+    state = {"busy": True, "last": time.monotonic(), "engine": None}  # busy: loading
     lock = threading.Lock()
 
     def shut_down(why: str, code: int = 0):
         print(f"eagleflow engine server: {why}; stopping", flush=True)
         try:
             spec.registry_file.unlink(missing_ok=True)
-            engine.stop()
+            if state["engine"] is not None:
+                state["engine"].stop()
+            else:  # mid-load: the engine's processes are this server's session; end them all
+                os.killpg(os.getpgrp(), signal.SIGKILL)
         finally:
             os._exit(code)
 
@@ -150,6 +146,18 @@ def serve_requests(spec: ServerSpec, engine, load_s: float) -> None:
                     shut_down(f"idle for {idle:.0f} s")
 
     threading.Thread(target=watchdog, daemon=True).start()
+    t0 = time.perf_counter()
+    engine = (build or ENGINES[spec.kind])(spec)  # `build`: tests' fake engines
+    load_s = time.perf_counter() - t0
+    print(f"{LOADED} in {load_s:.1f} s", flush=True)
+    # Who this server is, for a job of the same run about to load another engine
+    # (eagleflow.extract.client.release_idle_servers).
+    spec.registry_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = spec.registry_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(spec.registry_entry(os.getpid())))
+    os.replace(tmp, spec.registry_file)
+    with lock:
+        state.update(engine=engine, busy=False, last=time.monotonic())
     while True:
         try:
             conn = listener.accept()
