@@ -50,14 +50,12 @@ class CaptureEngine:
 
     def handle(self, req: dict, conn) -> dict:
         from eagleflow.data.shards import read_token_shard
-        from eagleflow.extract.shard import Timings, run_chunks, shard_file_of
-        from eagleflow.store.chunks import ShardChunks
+        from eagleflow.extract.shard import Timings, run_chunks, shard_chunks, shard_file_of
 
         spec = self.spec
         shard = read_token_shard(req["tokens"])
-        chunks = ShardChunks.plan(
-            shard, spec.plan.fingerprint, Path(req["hidden"]), req["chunk_tokens"]
-        )
+        # The job's own chunks: same ranges, same markers (one per capturing pipeline stage).
+        chunks = shard_chunks(shard, spec.plan, Path(req["hidden"]), req["chunk_tokens"])
         # The job created the file before asking; its layout is a pure function.
         shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
         todo = chunks.todo()  # what is committed now, not when the client asked
