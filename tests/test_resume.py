@@ -32,7 +32,13 @@ pytestmark = pytest.mark.vllm
 # Small chunks and small engine forwards (8 samples, about 220 tokens; the token budget cannot
 # go below 2,048 on vLLM's CPU MLA path), so one shard of ~2,700 tokens commits its chunks one
 # by one over many forwards (a chunk is committed as soon as its rows are in).
-CHUNKED = {**SMALL, "extract": {"chunk_tokens": 600, "max_num_seqs": 8}}
+# Each job with its own engine: the kill points sit in that job's prefill (a shared server,
+# already loaded, prefills a shard faster than a kill can be aimed; its own kill-and-resume
+# test is in test_engine_reuse.py).
+CHUNKED = {
+    **SMALL,
+    "extract": {"chunk_tokens": 600, "max_num_seqs": 8, "engine_reuse": False},
+}
 
 
 def shard_targets(workdir, shard_id):
