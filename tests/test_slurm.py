@@ -51,7 +51,8 @@ CONFIG = merged(
         },
     },
 )
-SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
+# A group job is named by a UUID, a single job by its number.
+SUBMITTED = re.compile(r"Job \S+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
 
 @pytest.fixture(scope="session")
