@@ -1,7 +1,7 @@
 """Acceptance length of drafts trained on fp8-stored against bf16-stored hidden states.
 
 For each arm (`bf16`: the default storage; `fp8`: `capture.storage_dtype: float8_e4m3fn`) and
-each seed of `--seeds`, runs the default target of the workflow in the working directory
+each seed of `--seeds`, runs the default target of the workflow in the repository root
 (`snakemake all --forcerun train_draft`, with a `--configfile` setting `draft.seed` and the
 storage dtype), so the draft is trained, exported and evaluated again, and copies the run's
 `acceptance.json`, `metrics.csv` and train log to `<results_dir>/fp8-acceptance/<arm>-seed<N>/`.
@@ -149,6 +149,7 @@ def main():
     )
     ap.add_argument("--table-only", action="store_true", help="print the table, run nothing")
     args = ap.parse_args()
+    args.configfile = [str(Path(p).resolve()) for p in args.configfile]
     results = results_dir(args.configfile)
     if not results.is_absolute():
         results = REPO / results
