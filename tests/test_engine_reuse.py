@@ -23,14 +23,12 @@ from safetensors.torch import load_file
 
 from eagleflow.extract.client import LOADED
 from support.workflow_runner import (
-    REPO,
     SMALL,
-    SNAKEMAKE,
     hidden_dir,
     merged,
     snakemake,
+    snakemake_command,
     started_jobs,
-    write_config,
 )
 
 pytestmark = pytest.mark.vllm
@@ -116,18 +114,7 @@ def test_thirteen_shards_one_load_same_states_as_per_shard(per_shard_reference, 
 
 
 def start_run(workdir, config):
-    cmd = [
-        SNAKEMAKE,
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--configfile",
-        str(write_config(workdir, config)),
-        "--cores",
-        "2",
-        "extract",
-    ]
+    cmd = snakemake_command(workdir, "extract", config=config)
     log = open(workdir / "run.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 

@@ -12,12 +12,10 @@ import pandas as pd
 import pytest
 
 from support.workflow_runner import (
-    REPO,
-    SNAKEMAKE,
     copy_workdir,
     snakemake,
+    snakemake_command,
     started_jobs,
-    write_config,
 )
 
 pytestmark = pytest.mark.vllm
@@ -109,18 +107,7 @@ def test_a_noop_rerun_loads_no_model(regenerated_workdir):
 
 def run_and_kill(workdir, targets, when, timeout=300):
     """Start Snakemake for `targets`; SIGKILL its whole process group once `when()` is true."""
-    cmd = [
-        SNAKEMAKE,
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--configfile",
-        str(write_config(workdir, REGEN)),
-        "--cores",
-        "2",
-        *targets,
-    ]
+    cmd = snakemake_command(workdir, *targets, config=REGEN)
     out = open(workdir / "killed-run.out", "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
     deadline = time.time() + timeout

@@ -18,13 +18,11 @@ from eagleflow.store.chunks import chunk_ranges
 from eagleflow.store.headers import file_sha256
 from eagleflow.store.verify import cheap_check
 from support.workflow_runner import (
-    REPO,
     SMALL,
-    SNAKEMAKE,
     copy_workdir,
     hidden_dir,
     snakemake,
-    write_config,
+    snakemake_command,
 )
 
 pytestmark = pytest.mark.vllm
@@ -54,18 +52,7 @@ def forget_shard(workdir, shard_id):
 def run_and_kill(workdir, shard_id, when, timeout=300):
     """Start the extract job for one shard through Snakemake; SIGKILL its whole process group
     (Snakemake, the job, vLLM's engine and workers) once `when(partial_dir)` is true."""
-    cmd = [
-        SNAKEMAKE,
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--configfile",
-        str(write_config(workdir, CHUNKED)),
-        "--cores",
-        "2",
-        *shard_targets(workdir, shard_id),
-    ]
+    cmd = snakemake_command(workdir, *shard_targets(workdir, shard_id), config=CHUNKED)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

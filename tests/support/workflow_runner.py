@@ -38,9 +38,10 @@ def write_config(workdir: Path, override: dict) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=None):
+def snakemake_command(workdir: Path, *args, config=None) -> list[str]:
+    """The command line of a Snakemake run of this workflow in `workdir` with `config`."""
     configfile = write_config(workdir, config or {})
-    cmd = [
+    return [
         SNAKEMAKE,
         "--snakefile",
         str(REPO / "Snakefile"),
@@ -52,6 +53,10 @@ def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=N
         "2",
         *args,
     ]
+
+
+def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=None):
+    cmd = snakemake_command(workdir, *args, config=config)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
