@@ -303,6 +303,13 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
     run_train(tiny, tmp_path / "seed1", steps=10, seed=1)
     c, _ = load_trained(tmp_path / "seed1")
     assert not torch.equal(a.fc.weight, c.fc.weight)
+    # ... also where the other seed's finished checkpoint is left (train.work/ survives a
+    # config change): it is not resumed, and the result is the fresh seed-1 run's
+    again = run_train(tiny, tmp_path / "straight", steps=10, seed=1)
+    assert again["start_step"] == 0 and again["end_step"] == 10
+    d, _ = load_trained(tmp_path / "straight")
+    for (name, x), (_, y) in zip(c.state_dict().items(), d.state_dict().items()):
+        assert torch.equal(x, y), name
 
 
 # ---------------------------------------------------------------- export

@@ -1,7 +1,8 @@
 # Draft: vocabulary from the loss-masked tokens, TTT training, speculators-format export.
 # Inputs are every verified shard of extraction {fp}; outputs go under results/draft/{fp}/.
 # The trainer works in train.work/ (not an output, so a crashed job's checkpoint survives
-# Snakemake's cleanup) and resumes from there.
+# Snakemake's cleanup) and resumes from there when the checkpoint is this run's (same seed,
+# settings, draft and shards; eagleflow.draft.train.training_recipe).
 
 DRAFT = f"{R}/draft/{{fp}}"
 DRAFT_CFG = config["draft"]

@@ -234,6 +234,20 @@ def optimizer_step(
     return loss, stats
 
 
+def training_recipe(cfg: TrainConfig, draft_config: dict, layout, vocab: DraftVocab, world: int):
+    """Everything that decides the trained weights: a checkpoint is resumed only when all of
+    it is unchanged (not how often checkpoints are written, nor on which device)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("ckpt_every", "device")}
+    return {
+        "train_config": settings,
+        "draft_config": draft_config,
+        "shards": [Path(p).name for p in layout.paths],  # content-addressed names
+        "layer_ids": list(layout.layer_ids),
+        "vocab": vocab.summary(),
+        "world_size": world,
+    }
+
+
 def train(
     shards,
     target_dir,
@@ -263,13 +277,22 @@ def train(
 
     start = 0
     ckpt_path = out / CHECKPOINT
+    recipe = training_recipe(cfg, model.cfg.to_dict(), layout, vocab, world)
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ckpt["layer_ids"] != layout.layer_ids or ckpt["draft_config"] != model.cfg.to_dict():
-            raise ValueError(f"{ckpt_path}: written for other shards or another draft; remove it")
-        model.load_state_dict(ckpt["model"])
-        optim.load_state_dict(ckpt["optimizer"])
-        start = ckpt["step"]
+        changed = sorted(k for k in recipe if ckpt.get("recipe", {}).get(k) != recipe[k])
+        if changed:
+            # Another run's checkpoint (a changed seed, lr, shard set...): resuming it would
+            # export a draft that is not this configuration's. Start over.
+            if rank == 0:
+                print(
+                    f"{ckpt_path}: written for another training run ({', '.join(changed)} "
+                    "differ); training from step 0"
+                )
+        else:
+            model.load_state_dict(ckpt["model"])
+            optim.load_state_dict(ckpt["optimizer"])
+            start = ckpt["step"]
     columns = _columns(cfg.ttt_steps)
     rows = _read_rows(out / METRICS, start) if rank == 0 else []
     ddp = model
@@ -287,6 +310,7 @@ def train(
                     "optimizer": optim.state_dict(),
                     "draft_config": model.cfg.to_dict(),
                     "train_config": asdict(cfg),
+                    "recipe": recipe,
                     "layer_ids": layout.layer_ids,
                     "aux_ids": layout.aux_ids,
                     "target": str(target_dir),

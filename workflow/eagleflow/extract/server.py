@@ -46,7 +46,13 @@ class CaptureEngine:
         from eagleflow.extract.shard import start_capture_engine
 
         self.spec = spec
-        self.llm = start_capture_engine(spec.settings, spec.plan, Path(spec.engine_dir))
+        # The stage layout the workers reported, repeated in every job's log.
+        self.layout = []
+        self.llm = start_capture_engine(
+            spec.settings, spec.plan, Path(spec.engine_dir), log=self.layout.append
+        )
+        for line in self.layout:
+            print(line, flush=True)
 
     def handle(self, req: dict, conn) -> dict:
         from eagleflow.data.shards import read_token_shard
@@ -60,6 +66,8 @@ class CaptureEngine:
         shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
         todo = chunks.todo()  # what is committed now, not when the client asked
         print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
+        for line in self.layout:
+            conn.send(("log", line + "\n"))
         timings = Timings()
         done = run_chunks(self.llm, chunks, todo, spec.plan, shard_file, timings, _ToClient(conn))
         print(f"shard {shard.shard_id}: {done} tokens prefilled", flush=True)

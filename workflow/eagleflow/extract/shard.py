@@ -142,8 +142,9 @@ def finish_shard(chunks: ShardChunks, out_path: Path) -> int:
     return Path(out_path).stat().st_size
 
 
-def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_dir: Path):
-    """An engine with the capture hooks installed for `plan`."""
+def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_dir: Path, log=print):
+    """An engine with the capture hooks installed for `plan`; under pipeline parallelism,
+    `log` gets each stage's layers and ids as its workers report them."""
     # Every prompt token must run through the model: cached prefixes would skip rows.
     kwargs = {"enable_prefix_caching": False} | strategy_engine_kwargs(
         plan, partial_dir / "connector"
@@ -153,7 +154,7 @@ def start_capture_engine(settings: EngineSettings, plan: CapturePlan, partial_di
     if plan.pipeline_parallel_size > 1:
         for w in installed:
             if w["rank0"]:
-                print(
+                log(
                     f"pipeline stage {w['pp_rank']}: layers {w['layers'][0]}.."
                     f"{w['layers'][1] - 1}, captures ids {w['layer_ids']}"
                 )
@@ -217,7 +218,7 @@ def extract_shard(
         elif todo:
             with timings.phase("engine_start"):
                 release_idle_servers(this_run(), log=log)  # e.g. the run's generate server
-                llm = start_capture_engine(settings, plan, chunks.partial_dir)
+                llm = start_capture_engine(settings, plan, chunks.partial_dir, log=log)
             engine["loaded_here"] = True
             try:
                 tokens_done = run_chunks(llm, chunks, todo, plan, shard_file, timings)
