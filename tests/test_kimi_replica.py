@@ -6,13 +6,16 @@ assistant text, and its wrapped weights load into an independent transformers fo
 config/examples/tiny-kimi-k25.yaml`, docs/support-matrix.md.)"""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from eagleflow.data.templating import has_generation_markers, tokenize_conversation
 from eagleflow.fixtures import tiny_kimi
 from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.fixtures.train_target import first_reply_loss
 from eagleflow.target.info import TargetError, read_target
 from eagleflow.target.load import check_remote_code, load_tokenizer, remote_code_files
 
@@ -199,3 +202,38 @@ def test_int4_packing_is_compressed_tensors_pack_quantized():
     deq = (q.reshape(64, 4, 32).float() * scale.float()[..., None]).reshape(64, 128)
     step = scale.float().repeat_interleave(32, dim=1)
     assert ((deq - w).abs() <= 0.5 * step + 1e-2 * w.abs()).all()
+
+
+class _BagOfPromptTokens(torch.nn.Module):
+    """Logits that favour every token already in the input (a model that reads its prompt),
+    or, with `blind`, the same logits whatever the input (one that does not)."""
+
+    def __init__(self, vocab: int, blind: bool):
+        super().__init__()
+        self.vocab, self.blind = vocab, blind
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        if not self.blind:
+            logits[0, -1, input_ids[0].unique()] = 5.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_first_reply_loss_tells_a_model_that_reads_its_prompt_from_one_that_does_not(tok):
+    """The replica's prompt-dependence figure (train_target.first_reply_loss), through Kimi's
+    template: each reply starts with its prompt's first word (no space before it in either)."""
+    words = ["apple", "zebra", "violet", "copper", "meadow", "falcon"]
+    convs = [
+        SimpleNamespace(
+            messages=(
+                {"role": "user", "content": f"{w}?"},
+                {"role": "assistant", "content": f"{w}."},
+            )
+        )
+        for w in words
+    ]
+    reads = first_reply_loss(_BagOfPromptTokens(len(tok), blind=False), tok, convs)
+    blind = first_reply_loss(_BagOfPromptTokens(len(tok), blind=True), tok, convs)
+    assert reads["conversations"] == blind["conversations"] == len(words)
+    assert reads["own_prompt"] < reads["other_prompt"] - 1.0, reads
+    assert blind["own_prompt"] == blind["other_prompt"], blind

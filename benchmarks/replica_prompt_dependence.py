@@ -1,0 +1,118 @@
+"""Does a briefly trained tiny target answer its prompts? One training arm, then its figures.
+
+Builds an untrained tiny target (the Kimi-K2.5 replica's text model with its tokenizer, or the
+embedded target), trains it with the same trainer as the fixtures
+(`eagleflow.fixtures.train_target`) on the bundled corpus, and prints the loss of each held-out
+conversation's first reply token after its own prompt and after another conversation's
+(`first_reply_loss`; a model that ignores its prompt scores them alike), always rendered with
+the target's real chat template, plus the held-out loss and a few greedy replies.
+
+The options vary what the training sees, to find why the replica does not learn what the
+embedded target learns (docs/measurements/kimi-replica.md):
+  --template no-default-system   Kimi's template without its default system turn (training
+                                 and figures), to isolate that turn;
+  --train-system empty           training conversations start with an explicit empty system
+                                 turn (figures still with the default turn);
+  --tokenizer-covers-template    the replica's BPE also learns the template's own text (role
+                                 names, the default system prompt), as Kimi's vocabulary does.
+
+Usage: .venv/bin/python benchmarks/replica_prompt_dependence.py --workdir /tmp/rpd
+       [--target kimi|embedded] [--steps 300] [--batch-tokens 1024] [--lr 6e-3] [options above]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from eagleflow.data.conversations import read_conversations  # noqa: E402
+from eagleflow.data.heldout import split  # noqa: E402
+from eagleflow.fixtures import tiny_kimi  # noqa: E402
+from eagleflow.fixtures.bundled_data import generate_conversations, write_jsonl  # noqa: E402
+from eagleflow.fixtures.tiny_target import build_tiny_target, corpus_texts  # noqa: E402
+from eagleflow.fixtures.train_target import (  # noqa: E402
+    TargetTrainConfig,
+    first_reply_loss,
+    train_target,
+)
+from eagleflow.target.load import load_tokenizer  # noqa: E402
+
+DEFAULT_SYSTEM_TURN = (
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
+    "<|im_end|>"
+)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--target", choices=("kimi", "embedded"), default="kimi")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=6e-3)
+    ap.add_argument("--conversations", type=int, default=3000, help="bundled dataset size")
+    ap.add_argument("--data-seed", type=int, default=0, help="bundled dataset seed")
+    ap.add_argument("--template", choices=("kimi", "no-default-system"), default="kimi")
+    ap.add_argument("--train-system", choices=("default", "empty"), default="default")
+    ap.add_argument("--tokenizer-covers-template", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    args.workdir.mkdir(parents=True)
+    data = args.workdir / "bundled-chat.jsonl"  # as the workflow's bundled_dataset rule
+    write_jsonl(generate_conversations(args.conversations, args.data_seed), data)
+    convs, _ = read_conversations(data)
+    base, out = args.workdir / "base", args.workdir / "trained"
+    texts = corpus_texts(convs)
+    if args.target == "embedded":
+        build_tiny_target(texts, base, seed=0)
+    else:
+        if args.template == "no-default-system":
+            assert DEFAULT_SYSTEM_TURN in tiny_kimi.CHAT_TEMPLATE
+            tiny_kimi.CHAT_TEMPLATE = tiny_kimi.CHAT_TEMPLATE.replace(DEFAULT_SYSTEM_TURN, "")
+        if args.tokenizer_covers_template:
+            texts += [tiny_kimi.DEFAULT_SYSTEM, "system", "user", "assistant"] * len(convs)
+        tiny_kimi.build_text_model(texts, base, seed=0)
+    train_convs = convs
+    if args.train_system == "empty":
+        empty = {"role": "system", "content": ""}
+        train_convs = [replace(c, messages=(empty, *c.messages)) for c in convs]
+    cfg = TargetTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr)
+    summary = train_target(base, train_convs, out, cfg)
+    figures = summary["first_reply_token_loss"]
+    if args.train_system == "empty":  # the figures that matter: with the default turn
+        from transformers import DeepseekV3ForCausalLM
+
+        for name in tiny_kimi.TOKENIZER_FILES:
+            shutil.copyfile(base / name, out / name)
+        model = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32)
+        figures = first_reply_loss(model, load_tokenizer(out), split(convs)[1])
+    print(json.dumps({"arm": vars(args) | {"workdir": str(args.workdir)}}, default=str))
+    print(
+        f"held-out loss: {summary['heldout_loss_before']:.3f} -> "
+        f"{summary['heldout_loss_after']:.3f} ({summary['epochs']} epochs)"
+    )
+    for s in summary["greedy_heldout_samples"][:4]:
+        print(f"greedy: {s['prompt']!r} -> {s['greedy']!r}")
+    print(
+        f"first reply token loss over {figures['conversations']} held-out conversations: "
+        f"own prompt {figures['own_prompt']:.3f}, another's {figures['other_prompt']:.3f}"
+    )
+    print(f"prompt_gap={figures['other_prompt'] - figures['own_prompt']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
