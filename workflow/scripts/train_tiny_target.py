@@ -17,8 +17,12 @@ with redirect_to_log(snakemake.log[0]):
 
     torch.set_num_threads(snakemake.threads)
     conversations, _ = read_conversations(snakemake.input.data)
-    cfg = TargetTrainConfig(
-        **snakemake.params.cfg, heldout_modulus=snakemake.params.heldout_modulus
-    )
+    settings = dict(snakemake.params.cfg)
+    if settings.pop("empty_system_phase")["steps"]:
+        raise ValueError(
+            "target_training.empty_system_phase is for the Kimi replica (its template adds a "
+            "default system turn); the embedded target trains without it: set its steps to 0"
+        )
+    cfg = TargetTrainConfig(**settings, heldout_modulus=snakemake.params.heldout_modulus)
     summary = train_target(snakemake.params.base, conversations, snakemake.params.out_dir, cfg)
     print(json.dumps(summary, indent=1))
