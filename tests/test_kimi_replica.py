@@ -237,3 +237,26 @@ def test_first_reply_loss_tells_a_model_that_reads_its_prompt_from_one_that_does
     assert reads["conversations"] == blind["conversations"] == len(words)
     assert reads["own_prompt"] < reads["other_prompt"] - 1.0, reads
     assert blind["own_prompt"] == blind["other_prompt"], blind
+
+
+def test_the_empty_system_phase_renders_an_empty_turn_in_place_of_the_default_one(tok):
+    """The replica's first training phase (tiny_kimi.with_empty_system_turn): Kimi's template
+    renders an empty system turn instead of its default one, the assistant tokens and their
+    mask stay the same, and a conversation with its own system turn is left as it is."""
+    from eagleflow.data.conversations import Conversation
+
+    msgs = ({"role": "user", "content": "Spell cat."}, {"role": "assistant", "content": "C A T."})
+    own = ({"role": "system", "content": "Be brief."}, *msgs)
+    convs = [Conversation("a", msgs, "f", 1), Conversation("b", own, "f", 2)]
+    plain, already = tiny_kimi.with_empty_system_turn(convs)
+    assert already == convs[1]
+    default = tokenize_conversation(tok, convs[0].messages, 256)
+    empty = tokenize_conversation(tok, plain.messages, 256)
+    assert tiny_kimi.DEFAULT_SYSTEM in tok.decode(default.input_ids)
+    text = tok.decode(empty.input_ids)
+    assert tiny_kimi.DEFAULT_SYSTEM not in text
+    assert text.startswith("<|im_system|>system<|im_middle|><|im_end|><|im_user|>")
+    assert len(empty.input_ids) < len(default.input_ids)
+    assert np.array_equal(
+        default.input_ids[default.loss_mask == 1], empty.input_ids[empty.loss_mask == 1]
+    )
