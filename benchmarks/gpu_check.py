@@ -197,6 +197,7 @@ def run_reference(args, device: torch.device) -> list[dict]:
                 "figure": (
                     f"median rel err {s.median_rel_err:.4f}, p95 {s.p95_rel_err:.4f}, "
                     f"mean cos {s.mean_cosine:.5f}, neighbour {s.shifted_median_rel_err:.3f}, "
+                    f"closer to own {s.closer_to_own:.2f}, "
                     f"{'ok' if s.ok else 'FAIL'}"
                 ),
                 "peak_gib": peak_gib(device),

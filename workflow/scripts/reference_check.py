@@ -46,7 +46,8 @@ with redirect_to_log(snakemake.log[0]):
             "reference_check: captured states differ from the reference: "
             + "; ".join(
                 f"shard {r.shard_id} layer {r.layer_id}: median rel err {r.median_rel_err:.3f}, "
-                f"cosine {r.mean_cosine:.4f}"
+                f"cosine {r.mean_cosine:.4f}, closer to its own layer than the next on "
+                f"{r.closer_to_own:.0%} of tokens"
                 for r in bad.itertuples()
             )
         )

@@ -9,8 +9,12 @@ own `output_hidden_states` ends with the post-norm state, which is not what vLLM
 Tolerance: vLLM runs in bf16 (8 bits of mantissa, ~0.4% per rounding, compounded over layers)
 and MoE routing can flip between near-tied experts under that noise, which moves single tokens
 a lot. So the check is per token and statistical: median relative L2 error below 0.05 and
-median cosine above 0.99 per layer, and the same states must be clearly closer to their own
-layer than to the neighbouring one (a one-layer shift gives relative errors of 0.6 or more).
+median cosine above 0.99 per layer, and at least 90% of the tokens' captured states must be
+closer to their own layer's reference than to the neighbouring layer's. A capture one layer
+off fails that on nearly every token however little the layer changes the residual stream,
+as long as it changes it by more than the bf16 noise; a ratio of medians (the check's first
+form) also failed correct captures of layers that move the residual by only 1-2%
+(docs/measurements/kimi-replica.md).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 MEDIAN_REL_ERR_MAX = 0.05
 MEDIAN_COSINE_MIN = 0.99
+CLOSER_TO_OWN_MIN = 0.9  # share of tokens closer to their own layer than to the neighbour
 
 
 @dataclass
@@ -33,14 +38,15 @@ class LayerStats:
     p95_rel_err: float
     mean_cosine: float
     min_cosine: float
-    shifted_median_rel_err: float  # against the neighbouring layer's reference: must be far worse
+    shifted_median_rel_err: float  # against the neighbouring layer's reference
+    closer_to_own: float  # share of tokens closer to their own layer's reference than that
 
     @property
     def ok(self) -> bool:
         return (
             self.median_rel_err < MEDIAN_REL_ERR_MAX
             and self.mean_cosine > MEDIAN_COSINE_MIN
-            and self.shifted_median_rel_err > 4 * self.median_rel_err
+            and self.closer_to_own >= CLOSER_TO_OWN_MIN
         )
 
 
@@ -109,6 +115,7 @@ def compare(
                 float(cos.mean()),
                 float(cos.min()),
                 float(rel_shift.median()),
+                float((rel < rel_shift).float().mean()),
             )
         )
     return stats
