@@ -8,10 +8,12 @@ storage dtype), so the draft is trained, exported and evaluated again, and copie
 Both arms share the regenerated dataset and the token shards; the hidden states of each arm are
 extracted once (the storage dtype is in the fingerprint, so they live side by side).
 
-Draft and evaluation outputs are keyed by the fingerprint only, not by the seed, and the
-trainer resumes from the checkpoint in `draft/<fp>/train.work/` whatever its seed, so every
-`train.work/` is removed before a run. `--repeat ARM...` runs the first seed of each arm named
-once more at the end, to check that training and evaluation are deterministic.
+Draft and evaluation outputs are keyed by the fingerprint only, not by the seed. The trainer
+does not resume a checkpoint in `draft/<fp>/train.work/` written under another seed
+(`eagleflow.draft.train.training_recipe`), but it would resume its own finished one, so every
+`train.work/` is removed before a run: a repeated seed trains again. `--repeat ARM...` runs the
+first seed of each arm named once more at the end, to check that training and evaluation are
+deterministic.
 
 Prints one row per run (vLLM eagle3 acceptance length, per-position acceptance, drafts; the
 reference loop's acceptance length; the mean training loss of the last 10 steps) and per arm

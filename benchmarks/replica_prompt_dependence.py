@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,11 +44,6 @@ from eagleflow.fixtures.train_target import (  # noqa: E402
     train_target,
 )
 from eagleflow.target.load import load_tokenizer  # noqa: E402
-
-DEFAULT_SYSTEM_TURN = (
-    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
-    "<|im_end|>"
-)
 
 
 def main():
@@ -81,15 +75,15 @@ def main():
         build_tiny_target(texts, base, seed=0)
     else:
         if args.template == "no-default-system":
-            assert DEFAULT_SYSTEM_TURN in tiny_kimi.CHAT_TEMPLATE
-            tiny_kimi.CHAT_TEMPLATE = tiny_kimi.CHAT_TEMPLATE.replace(DEFAULT_SYSTEM_TURN, "")
+            turn = tiny_kimi.DEFAULT_SYSTEM_TURN
+            assert turn in tiny_kimi.CHAT_TEMPLATE
+            tiny_kimi.CHAT_TEMPLATE = tiny_kimi.CHAT_TEMPLATE.replace(turn, "")
         if args.tokenizer_covers_template:
             texts += [tiny_kimi.DEFAULT_SYSTEM, "system", "user", "assistant"] * len(convs)
         tiny_kimi.build_text_model(texts, base, seed=0)
     train_convs = convs
     if args.train_system == "empty":
-        empty = {"role": "system", "content": ""}
-        train_convs = [replace(c, messages=(empty, *c.messages)) for c in convs]
+        train_convs = tiny_kimi.with_empty_system_turn(convs)
     cfg = TargetTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr)
     summary = train_target(base, train_convs, out, cfg)
     figures = summary["first_reply_token_loss"]
