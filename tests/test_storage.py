@@ -26,6 +26,7 @@ from eagleflow.store.quant import (
     dequantize,
     quantize,
     read_states,
+    row_peaks,
 )
 from eagleflow.store.verify import Expected, ShardInvalid, verify_extracted_shard, verify_shard
 from support.synthetic import FP, PLAN, make_extracted_shard, make_token_shards
@@ -51,7 +52,9 @@ def test_round_trip_on_known_tensors_gives_exact_scales():
             [1e-3, -1e-3, 5e-4, 0.0],  # tiny magnitudes: a scale of their own, not flushed
         ]
     )
+    original = x.clone()
     q, s = quantize(x)
+    assert torch.equal(x, original)  # the caller's tensor is left alone
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert s.shape == (4,)
     assert s[0] == 1.0 and s[1] == 2.0 and s[2] == MIN_SCALE
@@ -152,7 +155,37 @@ def test_verification_dequantizes_before_checking_values(shards):
         f.seek(start + hs + 3 * row + PLAN.hidden_size)  # token 3, layer 1: NaN code 0x7f
         f.write(b"\x7f")
     problems = verify_shard(fp8, shard, record, expected())["problems"]
-    assert problems == ["hidden_states: non-finite value at token 3"]
+    assert problems == [f"hidden_states: non-finite value at token 3, layer id {PLAN.layer_ids[1]}"]
+
+
+def test_verification_catches_a_value_that_overflows_once_dequantized(shards):
+    shard, _, fp8, record = shards
+    n = len(PLAN.layer_ids)
+    # Finite and positive, but the row's peak code (448 for this scale rule) times it is past
+    # float32's range: the stored value is not finite.
+    write_at(fp8, SCALES_KEY, 5 * n + 3, 1e37)  # token 5, fourth layer
+    problems = verify_shard(fp8, shard, record, expected())["problems"]
+    assert problems == [f"hidden_states: non-finite value at token 5, layer id {PLAN.layer_ids[3]}"]
+
+
+def test_row_peaks_equal_the_peaks_of_the_dequantized_values():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 32, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[5, 1] = 0.0  # an all-zero row
+    x[6, 2, 7] = -1e4  # a negative peak
+    q, s = quantize(x)
+    want = dequantize(q, s).abs().amax(dim=-1)
+    assert torch.equal(row_peaks(q, s), want)
+    assert torch.equal(row_peaks(q.view(torch.uint8), s), want)  # the codes as read from disk
+    assert row_peaks(q, s)[5, 1] == 0
+    codes = q.view(torch.uint8).clone()
+    codes[9, 0, 3] = 0xFF  # a NaN code (negative sign)
+    assert torch.isnan(row_peaks(codes, s)[9, 0]) and torch.isfinite(row_peaks(codes, s)[8]).all()
+    b = x.bfloat16()
+    b[2, 0, 0], b[3, 1, 4] = float("inf"), float("nan")
+    peaks = row_peaks(b)
+    assert peaks.dtype == torch.float32 and peaks[2, 0] == float("inf") and peaks[3, 1].isnan()
+    assert torch.equal(peaks[4], b[4].float().abs().amax(dim=-1))
 
 
 def drop_scales(path):

@@ -93,7 +93,7 @@ def test_non_finite_and_zero_rows_are_named(tokenizer, tmp_path):
         f.seek(start + 3 * row_bytes)
         f.write(b"\xc0\x7f" * 16)
     problems = run(shard, out, {**record, "bytes": out.stat().st_size})["problems"]
-    assert problems == ["hidden_states: non-finite value at token 3"]
+    assert problems == ["hidden_states: non-finite value at token 3, layer id 2"]
     _, out, record = make_extracted_shard(shard, tmp_path / "b")
     with open(out, "r+b") as f:
         f.seek(start + 5 * row_bytes + 16 * 2)

@@ -57,12 +57,32 @@ def quantize(x):
     computed in float32 on x's device."""
     import torch
 
-    xf = x.float()
-    scales = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    # The amax is exact in x's own dtype (it is one of x's values), so it is taken there, and a
+    # float32 copy (a copy even when x is float32: x is the caller's) is then divided and
+    # clamped in place, which saves two passes on every forward.
+    scales = x.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_min_(MIN_SCALE)
     # Clamped: amax / (amax / 448) may round a hair above 448, and a cast that does not
     # saturate would turn it into NaN.
-    q = (xf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scales
+    q = x.to(torch.float32, copy=True).div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def row_peaks(states, scales=None):
+    """The largest |value| of each row: states [..., H] -> [...] float32, NaN for a row holding
+    a NaN, inf for one holding an inf, 0 for an all-zero row. One pass over the stored bytes,
+    without a float32 copy of the states (verification runs it over every shard).
+
+    fp8 states (float8_e4m3fn or their uint8 codes) need their `scales` [...]: the peak is
+    then the dequantized one. e4m3fn codes are sign and magnitude, and the magnitude's 7 bits
+    order like the values they encode (0x7F, the largest, is NaN), so the largest magnitude
+    code of a row is its peak's code."""
+    import torch
+
+    if scales is None:
+        return states.abs().amax(dim=-1).float()
+    codes = states.view(torch.uint8)
+    peak_codes = (codes & 0x7F).amax(dim=-1)
+    return peak_codes.view(torch.float8_e4m3fn).float() * scales.float()
 
 
 def dequantize(q, scales, dtype=None):

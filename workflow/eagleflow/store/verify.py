@@ -32,7 +32,7 @@ from eagleflow.data.shards import TokenShard
 from eagleflow.store.dtypes import code_of, torch_dtype
 from eagleflow.store.headers import cheap_check, read_header
 from eagleflow.store.integrity import quarantine
-from eagleflow.store.quant import DEFAULT_STORAGE, FP8, SCALES_KEY, dequantize, is_fp8
+from eagleflow.store.quant import DEFAULT_STORAGE, FP8, SCALES_KEY, is_fp8, row_peaks
 
 KEYS = {"hidden_states", "input_ids", "loss_mask", "offsets"}
 ROW_BLOCK = 4096
@@ -198,8 +198,8 @@ def _verify_tensors(path, tokens, expected: Expected) -> tuple[list[str], str | 
 
 def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
     """Read the file once, start to end, hashing every byte; `hidden_states` is read in row
-    blocks and checked (dequantized with `scales`, a safetensors slice, in fp8). The first
-    problem of each kind is appended to `problems`; hashing goes on to the end."""
+    blocks and checked by each row's peak (dequantized with `scales`, a safetensors slice, in
+    fp8). The first problem of each kind is appended to `problems`; hashing goes on to the end."""
     info = header["hidden_states"]
     T, n, H = info["shape"]
     dtype = torch_dtype(info["dtype"])
@@ -221,8 +221,8 @@ def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
                 continue
             raw = torch.frombuffer(buf, dtype=torch.uint8)[: rows * row]
             states = raw.view(dtype).reshape(rows, n, H)
-            if scales is not None:
-                sc = scales[a : a + rows]
+            sc = scales[a : a + rows] if scales is not None else None
+            if sc is not None:
                 bad_scale = ~(torch.isfinite(sc) & (sc > 0))
                 if bad_scale.any():
                     tok, layer = (int(x) for x in bad_scale.nonzero()[0])
@@ -232,15 +232,17 @@ def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
                     )
                     state_problem = True
                     continue
-                block = dequantize(states, sc)
-            else:
-                block = states.to(torch.float32)
-            if not torch.isfinite(block).all():
-                bad = int((~torch.isfinite(block)).any(dim=-1).any(dim=-1).nonzero()[0]) + a
-                problems.append(f"hidden_states: non-finite value at token {bad}")
+            peaks = row_peaks(states, sc)  # [rows, n]: the largest |value|, dequantized
+            finite = torch.isfinite(peaks)
+            if not finite.all():
+                tok, layer = (int(x) for x in (~finite).nonzero()[0])
+                problems.append(
+                    f"hidden_states: non-finite value at token {tok + a}, "
+                    f"layer id {layer_ids[layer]}"
+                )
                 state_problem = True
                 continue
-            zero_rows = (block == 0).all(dim=-1)
+            zero_rows = peaks == 0
             if zero_rows.any():
                 tok, layer = (int(x) for x in zero_rows.nonzero()[0])
                 problems.append(
