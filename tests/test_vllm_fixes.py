@@ -41,3 +41,19 @@ def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_worker_extension_asks_for_amx_where_it_is_imported():
+    """A fresh process has no AMX permission until it asks; importing the worker extension (as
+    vLLM does in every process it spawns) asks, before any model is built."""
+    import subprocess
+    import sys
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX")
+    code = (
+        "from eagleflow.engine.vllm_fixes import amx_permitted; assert not amx_permitted(); "
+        "import eagleflow.engine.fixed_worker; assert amx_permitted()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

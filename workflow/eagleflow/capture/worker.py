@@ -36,12 +36,12 @@ from itertools import islice
 import torch
 
 from eagleflow.capture.plan import CapturePlan, Strategy
-from eagleflow.engine.vllm_fixes import fix_cpu_rope
+from eagleflow.engine.vllm_fixes import apply_vllm_fixes
 from eagleflow.store.quant import is_fp8, quantize
 from eagleflow.store.shardfile import ChunkTarget
 
 # Worker processes build the model after importing this module (TP > 1 on the CPU).
-fix_cpu_rope()
+apply_vllm_fixes()
 
 
 def _surface_errors(fn):

@@ -7,8 +7,11 @@ for extraction, `fixed_worker` otherwise) and any strategy-specific `LLM(...)` a
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 from eagleflow.engine.settings import EngineSettings, configure_process_env
-from eagleflow.engine.vllm_fixes import fix_cpu_rope
+from eagleflow.engine.vllm_fixes import apply_vllm_fixes
 
 FIXED_WORKER = "eagleflow.engine.fixed_worker.FixedWorker"
 
@@ -37,7 +40,7 @@ def build_engine(
     from vllm import LLM
 
     check_platform(settings.device)
-    fix_cpu_rope()  # before the model is built (a single-process engine builds it here)
+    apply_vllm_fixes()  # before the model is built (a single-process engine builds it here)
     kwargs = dict(
         model=settings.target,
         tokenizer=settings.target,
@@ -69,7 +72,7 @@ def build_engine(
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     kwargs.update(llm_kwargs)
     if settings.nodes == 1:
-        return LLM(**kwargs)
+        return fail_pending_calls_when_engine_dies(LLM(**kwargs))
     # Several nodes: the others run headless vLLM workers, started first (node 0 waits for
     # them) and stopped with the engine (eagleflow.engine.multinode).
     from eagleflow.engine.multinode import NodeGroup
@@ -83,6 +86,40 @@ def build_engine(
         nodes.stop()
         raise
     llm.eagleflow_nodes = nodes
+    return fail_pending_calls_when_engine_dies(llm)
+
+
+def fail_pending_calls_when_engine_dies(llm, poll_seconds: float = 1.0):
+    """Fail every call to the workers (`collective_rpc`) still pending when the engine core
+    dies, with vLLM's EngineDeadError; returns `llm`.
+
+    vLLM 0.32's multiprocess client never answers such a call (vllm-project/vllm#56416): its
+    monitor marks the engine dead, but the call's future is never completed, so a job whose
+    engine crashed would wait until its time limit. An engine core in this process has no such
+    client (a crash there raises here)."""
+    client = llm.llm_engine.engine_core
+    if not hasattr(client, "utility_results") or not hasattr(client, "resources"):
+        return llm
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    stopped = threading.Event()
+    # A weak reference: the watcher must not keep a stopped engine's client alive.
+    ref = weakref.ref(client)
+
+    def watch():
+        while not stopped.wait(poll_seconds):
+            c = ref()
+            if c is None:
+                return
+            if c.resources.engine_dead:  # set by vLLM's monitor (and by a normal shutdown)
+                for future in list(c.utility_results.values()):
+                    if not future.done():
+                        future.set_exception(EngineDeadError())
+                return
+            del c
+
+    threading.Thread(target=watch, name="eagleflow-engine-watch", daemon=True).start()
+    weakref.finalize(client, stopped.set)
     return llm
 
 

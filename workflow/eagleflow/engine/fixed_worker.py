@@ -1,12 +1,12 @@
 """vLLM `worker_extension_cls` for engines that need no other extension (regeneration,
 evaluation): vLLM imports this module in every worker process before it builds the model, so
-`fix_cpu_rope` also reaches the processes vLLM spawns itself (TP > 1 on the CPU, a spawned
-engine core), which do not inherit a patch made in the caller. Extraction gets the same from
-its capture extension (`capture_worker`)."""
+eagleflow's vLLM fixes (`apply_vllm_fixes`) also reach the processes vLLM spawns itself (TP > 1
+on the CPU, a spawned engine core), which do not inherit a patch made in the caller.
+Extraction gets the same from its capture extension (`capture_worker`)."""
 
-from eagleflow.engine.vllm_fixes import fix_cpu_rope
+from eagleflow.engine.vllm_fixes import apply_vllm_fixes
 
-fix_cpu_rope()
+apply_vllm_fixes()
 
 
 class FixedWorker:

@@ -1,24 +1,32 @@
-"""Fixes for bugs of the installed vLLM that change hidden states, each checked before it is
-applied.
+"""Fixes for bugs of the installed vLLM on the CPU, each checked before it is applied;
+`apply_vllm_fixes()` applies all of them.
 
-vLLM 0.32's CPU rotary-embedding kernel (`RotaryEmbedding.forward_cpu`, `ops.rotary_embedding`)
-rotates a query given as [tokens, heads, head_size] wrongly for every head but the first; given
-as [tokens, heads * head_size] it is right. Llama- and Qwen-style models pass 2-D queries;
-DeepseekV2/V3 attention (MLA and plain) passes its rope part as a 3-D view. On a random target,
-whose attention is near uniform, this hardly shows; on a trained one it moved the first layer's
-output by a median 3% and a 95th percentile of 105% (docs/measurements/reference-check.md).
+1. The rotary embedding. vLLM 0.32's CPU rotary-embedding kernel (`RotaryEmbedding.forward_cpu`,
+`ops.rotary_embedding`) rotates a query given as [tokens, heads, head_size] wrongly for every
+head but the first; given as [tokens, heads * head_size] it is right. Llama- and Qwen-style
+models pass 2-D queries; DeepseekV2/V3 attention (MLA and plain) passes its rope part as a 3-D
+view. On a random target, whose attention is near uniform, this hardly shows; on a trained one
+it moved the first layer's output by a median 3% and a 95th percentile of 105%
+(docs/measurements/reference-check.md). `fix_cpu_rope()` runs a tiny self-test of the kernel and,
+only if the 3-D result is wrong, routes 3-D calls through the 2-D layout.
 
-`fix_cpu_rope()` runs, on the CPU platform, a tiny self-test of the kernel and, only if the 3-D
-result is wrong, routes 3-D calls through the 2-D layout. It must run in every process that
-builds a model before the model is built (vLLM binds the method at construction): eagleflow
-calls it where it starts engines and where its worker extension is imported. A process vLLM
-spawns (its V1 engine core, by default) does not inherit the patch: eagleflow keeps the engine
-core in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) or reaches it through the
-worker extension."""
+2. AMX permission. On an x86 CPU with AMX, vLLM's CPU attention kernel for non-MLA models
+(`cpu_attention_with_kv_cache`, ISA "amx") uses AMX tiles without asking Linux for them
+(`arch_prctl(ARCH_REQ_XCOMP_PERM)`); a process that has not asked dies of SIGILL at its first
+forward, silently (a spawned worker of a Llama or Qwen target). PyTorch asks when its own
+kernels first use AMX, so whether a process had asked depended on what it ran before.
+`fix_cpu_amx()` asks, once per process, and checks that the kernel granted it.
+
+Both must run in every process that builds a model before the model is built (vLLM binds the
+rotary method at construction): eagleflow calls `apply_vllm_fixes()` where it starts engines and
+where its worker extensions are imported. A process vLLM spawns (its V1 engine core, TP
+workers) does not inherit the patch: eagleflow reaches it through the worker extension."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import platform
 
 import torch
 
@@ -80,3 +88,42 @@ def fix_cpu_rope() -> bool:
             "flattening fix did not repair it; extraction would be wrong"
         )
     return True
+
+
+# Linux x86-64: arch_prctl's syscall number, its "get permitted extended features" request and
+# the AMX tile-data feature bit (asm/prctl.h, asm/fpu/types.h).
+_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 18
+
+
+def amx_permitted() -> bool:
+    """True if this process may use AMX tiles (Linux x86-64; False elsewhere)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    mask = ctypes.c_ulong(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+@functools.cache
+def fix_cpu_amx() -> bool:
+    """On the CPU platform of an AMX-capable x86 CPU, ask for AMX in this process (once per
+    process); True if the process may now use AMX, False where there is no AMX to ask for."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+        return False
+    if not torch.cpu._init_amx() or not amx_permitted():
+        raise RuntimeError(
+            "eagleflow: this CPU has AMX but Linux did not grant this process its use "
+            "(arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's CPU attention would die of an illegal "
+            "instruction. Run on a kernel of Linux 5.16 or newer that permits AMX."
+        )
+    return True
+
+
+def apply_vllm_fixes() -> None:
+    """Every fix above, in this process (each applied once per process)."""
+    fix_cpu_amx()
+    fix_cpu_rope()
