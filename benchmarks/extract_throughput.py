@@ -214,8 +214,10 @@ def main():
     llm = start_capture_engine(settings, plan, args.workdir / "engine")
     print(f"engine start (paid once per job): {time.perf_counter() - t0:.1f} s")
     sched = llm.llm_engine.vllm_config.scheduler_config
-    # Both arms run on this one engine, so they share every setting; vLLM's CPU platform
-    # replaces max_num_batched_tokens for MLA models (chunked prefill off), hence printed as found.
+    # Both arms run on this one engine, so they share every setting. vLLM's CPU platform decides
+    # the batching of MLA models by the CPU: without AMX it turns chunked prefill off and sets
+    # max_num_batched_tokens itself; with AMX (its AMX_MLA backend) it keeps both. Hence printed
+    # as found.
     print(
         f"engine settings (both arms): max_num_batched_tokens {sched.max_num_batched_tokens}, "
         f"max_num_seqs {sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}, "

@@ -93,7 +93,10 @@ def test_a_node_that_fails_interrupts_the_job_with_its_traceback_in_the_log(tmp_
 
     script = tmp_path / "job.py"
     script.write_text(
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        # A job started in the background by a non-interactive shell inherits SIGINT ignored
+        # (the watcher then ends it after its grace period); this job takes SIGINT.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from eagleflow.engine.multinode import NodeGroup\n"
         "g = NodeGroup(['127.0.0.1', '127.0.0.1'], 'local', master_port=1)\n"
         "g.node_command = lambda rank, kw: [sys.executable, '-c', "

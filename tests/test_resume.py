@@ -27,15 +27,17 @@ from support.workflow_runner import (
 
 pytestmark = pytest.mark.vllm
 
-# Small chunks and small engine forwards (8 samples, about 220 tokens; the token budget cannot
-# go below 2,048 on vLLM's CPU MLA path), so one shard of ~2,700 tokens commits its chunks one
-# by one over many forwards (a chunk is committed as soon as its rows are in).
+# Small chunks and one sample per engine forward (the token budget cannot go below 2,048 on
+# vLLM's CPU MLA path without AMX; the sample count can), so one shard of ~2,700 tokens in 100
+# samples commits its ~10 chunks one by one over ~100 forwards (a chunk is committed as soon as
+# its rows are in). With AMX a forward of this target takes milliseconds: larger forwards
+# committed several chunks between two polls and the last kill point fell after the last chunk.
 # Each job with its own engine: the kill points sit in that job's prefill (a shared server,
 # already loaded, prefills a shard faster than a kill can be aimed; its own kill-and-resume
 # test is in test_engine_reuse.py).
 CHUNKED = {
     **SMALL,
-    "extract": {"chunk_tokens": 600, "max_num_seqs": 8, "engine_reuse": False},
+    "extract": {"chunk_tokens": 300, "max_num_seqs": 1, "engine_reuse": False},
 }
 
 
@@ -62,7 +64,7 @@ def run_and_kill(workdir, shard_id, when, timeout=300):
         while not when(partial):
             assert proc.poll() is None, "the job finished before the kill point"
             assert time.time() < deadline, "kill point never reached"
-            time.sleep(0.2)
+            time.sleep(0.02)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
