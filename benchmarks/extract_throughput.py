@@ -8,6 +8,9 @@ reported apart), alternating at least three times each and compared by medians:
 Prints tokens per second for each, their ratio (last line `ratio=<value>`), bytes written per
 second, where the extraction's wall time went, and the peak resident memory of the whole
 process tree (driver, engine, workers) while extracting a shard and one four times larger.
+Also the seconds spent inside the model's forward in each arm (the engine runs in this
+process at TP=1): both arms run the same forward, so what differs there is the machine's noise or
+interference with the forward, and what differs outside it is eagleflow's own work.
 The verification read that follows every extraction (and hashes the file) is timed apart: it
 is the same read in any storage design, and no engine time. So the wall ratio leaves it out;
 the CPU-time ratio (`cpu_ratio`) counts it, as the extract job pays it, and is also printed
@@ -91,6 +94,31 @@ class PeakRSS:
             with open(f"/proc/{p.pid}/status") as f:
                 hwm = next(line for line in f if line.startswith("VmHWM:"))
             self.peak += int(hwm.split()[1]) * 1024
+
+
+class ForwardClock:
+    """Seconds inside the model's forward, summed, in this process's engine (TP=1, one process):
+    the class's forward is wrapped, so the capture (installed afterwards) wraps the timed one."""
+
+    def __init__(self, llm):
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        cls = type(model)
+        inner = cls.forward
+        self.seconds = 0.0
+
+        def timed(model_self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(model_self, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        cls.forward = timed
+
+    def lap(self) -> float:
+        """Seconds since the last lap."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def tree_cpu_seconds() -> float:
@@ -213,6 +241,9 @@ def main():
     t0 = time.perf_counter()
     llm = start_capture_engine(settings, plan, args.workdir / "engine")
     print(f"engine start (paid once per job): {time.perf_counter() - t0:.1f} s")
+    clock = ForwardClock(llm)
+    llm.collective_rpc("eagleflow_uninstall")  # reinstalled on the timed forward
+    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
     sched = llm.llm_engine.vllm_config.scheduler_config
     # Both arms run on this one engine, so they share every setting. vLLM's CPU platform decides
     # the batching of MLA models by the CPU: without AMX it turns chunked prefill off and sets
@@ -227,28 +258,37 @@ def main():
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     # Warm-up, not measured: first calls allocate and fault in memory.
     plain_prefill(llm, next(iter(shards.values())))
+    clock.lap()
     results = {}
     for name, shard in shards.items():
         n = len(shard.input_ids)
         plain, ours, written, phases, peaks, loads = [], [], [], [], [], []
         plain_cpu, ours_cpu, ours_cpu_no_verify, plain_peaks = [], [], [], []
+        plain_fwd, ours_fwd = [], []  # (seconds in the forward, seconds outside it) per run
 
         def run_plain():
             # Plain runs without the capture wrapper (its per-forward copy is eagleflow's cost).
             llm.collective_rpc("eagleflow_uninstall")
             c0 = tree_cpu_seconds()
+            clock.lap()
             with PeakRSS() as mem:
-                plain.append(n / plain_prefill(llm, shard))
+                seconds = plain_prefill(llm, shard)
+            plain.append(n / seconds)
+            forward = clock.lap()
+            plain_fwd.append((forward, seconds - forward))
             plain_cpu.append(n / (tree_cpu_seconds() - c0))
             plain_peaks.append(mem.peak)
             llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
 
         def run_ours():
             c0 = tree_cpu_seconds()
+            clock.lap()
             with PeakRSS() as mem:
                 seconds, size, ph = eagleflow_extract(
                     llm, shard, plan, args.workdir / "out", args.chunk_tokens
                 )
+            forward = clock.lap()
+            ours_fwd.append((forward, seconds - forward))
             cpu = tree_cpu_seconds() - c0
             ours_cpu.append(n / cpu)
             ours_cpu_no_verify.append(n / (cpu - ph["verify_read_cpu"]))
@@ -280,6 +320,8 @@ def main():
             "peak_rss": max(peaks),
             "plain_peak_rss": max(plain_peaks),
             "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]},
+            "plain_forward_and_rest_s": plain_fwd,
+            "eagleflow_forward_and_rest_s": ours_fwd,
         }
         print(
             f"shard {name} ({n} tokens): plain {p:.0f} tok/s "
@@ -299,6 +341,17 @@ def main():
             f"{results[name]['cpu_ratio']:.3f} (without the verification read "
             f"{results[name]['cpu_ratio_without_verify']:.3f})"
         )
+
+        def split(runs):
+            return (
+                f"{statistics.median(f for f, _ in runs):.2f} in the forward "
+                f"[{', '.join(f'{f:.2f}' for f, _ in runs)}], "
+                f"{statistics.median(r for _, r in runs):.2f} outside "
+                f"[{', '.join(f'{r:.2f}' for _, r in runs)}]"
+            )
+
+        print(f"  seconds per run (median), plain: {split(plain_fwd)}")
+        print(f"  seconds per run (median), eagleflow: {split(ours_fwd)}")
         print(
             "  where the extraction's time went (median s): "
             + ", ".join(f"{k} {v:.2f}" for k, v in results[name]["phases"].items())
