@@ -50,24 +50,23 @@ def main():
     path = args.dir / f"fresh-page-writes-{os.getpid()}.bin"
     aligned = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
     aligned.write(data.tobytes())
-    results = {}
     arms = (
         ("back to back", 0.0, False),
         (f"{args.pause:g} s apart", args.pause, False),
         (f"O_DIRECT, {args.pause:g} s apart", args.pause, True),
     )
+    results = []  # per arm, (pwrite CPU s, fdatasync CPU s) of each run
     for label, pause, direct in arms:
         runs = []
         for _ in range(3):
             time.sleep(pause)
             runs.append(write_once(path, aligned if direct else data, chunks, direct))
-        results[label] = runs
+        results.append(runs)
         print(
             f"{label}: pwrite CPU s {[round(w, 3) for w, _ in runs]}, "
             f"fdatasync CPU s {[round(s, 3) for _, s in runs]} ({chunks * 32} MiB each)"
         )
-    fast = sorted(w for w, _ in results["back to back"])[1]
-    slow = sorted(w for w, _ in results[f"{args.pause:g} s apart"])[1]
+    fast, slow = (sorted(w for w, _ in runs)[1] for runs in results[:2])  # medians
     print(f"ratio={slow / fast:.1f}")
 
 
