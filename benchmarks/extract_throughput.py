@@ -70,6 +70,12 @@ BENCH_ARCH = dict(
 )
 
 
+def process_tree() -> list:
+    """This process and its descendants (engine core, workers)."""
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
 class PeakRSS:
     """Peak resident memory of this process and its descendants (engine core, workers) during
     the block: each process's kernel high-water mark (VmHWM), reset on entry through
@@ -77,20 +83,15 @@ class PeakRSS:
     no sampling thread competes for the CPU (an earlier sampler cost the measured arm about
     6% of a core)."""
 
-    @staticmethod
-    def _tree():
-        me = psutil.Process()
-        return [me, *me.children(recursive=True)]
-
     def __enter__(self):
         self.peak = 0
-        for p in self._tree():
+        for p in process_tree():
             with open(f"/proc/{p.pid}/clear_refs", "w") as f:
                 f.write("5")  # reset the peak RSS to the current RSS
         return self
 
     def __exit__(self, *exc):
-        for p in self._tree():
+        for p in process_tree():
             with open(f"/proc/{p.pid}/status") as f:
                 hwm = next(line for line in f if line.startswith("VmHWM:"))
             self.peak += int(hwm.split()[1]) * 1024
@@ -105,19 +106,22 @@ class ForwardClock:
         cls = type(model)
         inner = cls.forward
         self.seconds = 0.0
+        self.tokens = []  # tokens of each forward since the last lap
 
-        def timed(model_self, *args, **kwargs):
+        def timed(model_self, input_ids, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return inner(model_self, *args, **kwargs)
+                return inner(model_self, input_ids, *args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+                self.tokens.append(-1 if input_ids is None else int(input_ids.shape[0]))
 
         cls.forward = timed
 
     def lap(self) -> float:
-        """Seconds since the last lap."""
+        """Seconds since the last lap (and `forwards`: the tokens of each forward in it)."""
         seconds, self.seconds = self.seconds, 0.0
+        self.forwards, self.tokens = self.tokens, []
         return seconds
 
 
@@ -125,13 +129,26 @@ def tree_cpu_seconds() -> float:
     """User + system CPU seconds used so far by this process and its descendants (engine core,
     workers): the engine's own cost, far less sensitive than wall time to other jobs' load."""
     total = 0.0
-    me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:
+    for p in process_tree():
         try:
             t = p.cpu_times()
             total += t.user + t.system
         except psutil.Error:
             pass
+    return total
+
+
+def tree_minor_faults() -> int:
+    """Minor page faults so far of this process and its descendants (Linux /proc): each is a
+    page the kernel handed out anew. Where a virtual machine returns freed memory to its host,
+    such a page also faults on the host, which makes it many times dearer (fresh_page_writes.py)."""
+    total = 0
+    for p in process_tree():
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+        except OSError:
+            continue
+        total += int(stat.rsplit(")", 1)[1].split()[7])  # field 10, minflt
     return total
 
 
@@ -166,7 +183,6 @@ def plain_prefill(llm, shard) -> float:
 
 
 def eagleflow_extract(llm, shard, plan, workdir: Path, chunk_tokens: int):
-    shutil.rmtree(workdir, ignore_errors=True)
     out = workdir / f"{shard.shard_id}.safetensors"
     chunks = ShardChunks.plan(shard, plan.fingerprint, out, chunk_tokens)
     timings = Timings()
@@ -265,29 +281,38 @@ def main():
         plain, ours, written, phases, peaks, loads = [], [], [], [], [], []
         plain_cpu, ours_cpu, ours_cpu_no_verify, plain_peaks = [], [], [], []
         plain_fwd, ours_fwd = [], []  # (seconds in the forward, seconds outside it) per run
+        plain_faults, ours_faults = [], []  # minor page faults per run, process tree
+        plain_batches, ours_batches = [], []  # tokens of each forward, per run
 
         def run_plain():
             # Plain runs without the capture wrapper (its per-forward copy is eagleflow's cost).
             llm.collective_rpc("eagleflow_uninstall")
-            c0 = tree_cpu_seconds()
+            c0, f0 = tree_cpu_seconds(), tree_minor_faults()
             clock.lap()
             with PeakRSS() as mem:
                 seconds = plain_prefill(llm, shard)
-            plain.append(n / seconds)
+            plain_faults.append(tree_minor_faults() - f0)
             forward = clock.lap()
+            plain_batches.append(clock.forwards)
+            plain.append(n / seconds)
             plain_fwd.append((forward, seconds - forward))
             plain_cpu.append(n / (tree_cpu_seconds() - c0))
             plain_peaks.append(mem.peak)
             llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
 
         def run_ours():
-            c0 = tree_cpu_seconds()
+            # The last run's file goes before the clocks start: deleting it is the benchmark's
+            # work, not the extraction's.
+            shutil.rmtree(args.workdir / "out", ignore_errors=True)
+            c0, f0 = tree_cpu_seconds(), tree_minor_faults()
             clock.lap()
             with PeakRSS() as mem:
                 seconds, size, ph = eagleflow_extract(
                     llm, shard, plan, args.workdir / "out", args.chunk_tokens
                 )
+            ours_faults.append(tree_minor_faults() - f0)
             forward = clock.lap()
+            ours_batches.append(clock.forwards)
             ours_fwd.append((forward, seconds - forward))
             cpu = tree_cpu_seconds() - c0
             ours_cpu.append(n / cpu)
@@ -321,6 +346,8 @@ def main():
             "plain_peak_rss": max(plain_peaks),
             "phases": {k: statistics.median(x[k] for x in phases) for k in phases[0]},
             "plain_forward_and_rest_s": plain_fwd,
+            "plain_minor_faults": plain_faults,
+            "eagleflow_minor_faults": ours_faults,
             "eagleflow_forward_and_rest_s": ours_fwd,
         }
         print(
@@ -350,6 +377,15 @@ def main():
                 f"[{', '.join(f'{r:.2f}' for _, r in runs)}]"
             )
 
+        print(
+            f"  minor page faults per run (median, process tree; verification included): "
+            f"plain {statistics.median(plain_faults):,.0f}, "
+            f"eagleflow {statistics.median(ours_faults):,.0f}"
+        )
+        print(
+            f"  tokens per forward, first run: plain {plain_batches[0]}, "
+            f"eagleflow {ours_batches[0]}"
+        )
         print(f"  seconds per run (median), plain: {split(plain_fwd)}")
         print(f"  seconds per run (median), eagleflow: {split(ours_fwd)}")
         print(

@@ -12,9 +12,16 @@ what runs without it, at realistic sizes, and prints one figures table:
   (b) draft training (`eagleflow.draft.model` + `eagleflow.draft.train` pieces): the EAGLE-3
       draft sized for DeepSeek-V3 / Kimi-K2 (hidden 7168) and a Llama-3-8B-sized target
       (hidden 4096), bf16 autocast, AdamW, 3 TTT steps: step time, tokens/s, peak GPU memory.
+  (c) storage (`eagleflow.store.quant.states_to_host`, `eagleflow.store.direct_io`): one
+      forward's states at Kimi-K2.5's widths (4 layers x 7168, bf16) brought to the host as
+      the capture worker does, in bf16 and quantized to fp8 on the device first (ms per
+      forward, bytes); then those rows written into a file on this machine's disk with
+      O_DIRECT and through the page cache, as `ShardFile.write_rows` does (GB/s, CPU seconds
+      per GB, each file new, fdatasync included).
 
 Usage (from the repository root):
   python benchmarks/gpu_check.py                        # one H200, under 8 minutes
+  python benchmarks/gpu_check.py --skip-reference --skip-draft --storage-dir /tmp  # (c) only
   python benchmarks/gpu_check.py --device cpu --small   # smoke mode: tiny sizes, seconds
 """
 
@@ -35,6 +42,8 @@ from eagleflow.capture.reference import check_shard_against_reference, reference
 from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagleflow.draft.train import TrainConfig, optimizer_step  # noqa: E402
+from eagleflow.store.direct_io import DirectWriter  # noqa: E402
+from eagleflow.store.quant import states_to_host  # noqa: E402
 from eagleflow.target.head import TargetHead  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
 
@@ -310,6 +319,95 @@ def run_draft(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def layer_states(n_tokens: int, hidden: int, n_layers: int, device: torch.device) -> list:
+    """One forward's aux states: [n_tokens, hidden] bf16 per layer, magnitudes growing with
+    depth by orders as a real target's do (fp8 scales are per token and layer)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return [
+        (torch.randn(n_tokens, hidden, generator=g, device=device) * 10.0**k).bfloat16()
+        for k in range(n_layers)
+    ]
+
+
+def pinned_to_host(aux, n: int, fp8: bool) -> tuple:
+    """As `states_to_host` in bf16, but into pinned host memory (a comparison arm)."""
+    stacked = torch.stack([a[:n] for a in aux], dim=1)
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked)
+    return (host,)
+
+
+def run_storage(args, device: torch.device) -> list[dict]:
+    """(c) device-to-host per forward in both storage dtypes, and the row writes."""
+    n_tokens, hidden, n_layers = (256, 64, 4) if args.small else (args.capture_tokens, 7168, 4)
+    aux = layer_states(n_tokens, hidden, n_layers, device)
+    rows, host = [], {}
+    arms = [
+        ("bf16", False, states_to_host),
+        ("fp8 (quantized on the device)", True, states_to_host),
+    ]
+    if device.type == "cuda":
+        # The alternative not built yet: stacked on the device, copied into pinned host memory
+        # (torch's caching host allocator reuses it) instead of pageable memory per forward.
+        arms.append(("bf16 into pinned memory (not eagleflow's path)", False, pinned_to_host))
+    for name, fp8, to_host in arms:
+        reset_peak(device)
+        for _ in range(args.warmup):
+            to_host(aux, n_tokens, fp8)
+        sync(device)
+        times = []
+        for _ in range(max(args.steps, 3)):
+            t0 = time.perf_counter()
+            cols = to_host(aux, n_tokens, fp8)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        seconds = sorted(times)[len(times) // 2]
+        moved = sum(c.numel() * c.element_size() for c in cols)
+        host[name] = cols
+        rows.append(
+            {
+                "check": "states to host, per forward",
+                "size": f"{n_tokens} tokens x {n_layers} layers x {hidden}, {name}",
+                "figure": (
+                    f"{seconds * 1000:.1f} ms (median of {len(times)}), "
+                    f"{moved / 2**20:,.0f} MiB, {moved / seconds / 1e9:.1f} GB/s"
+                ),
+                "peak_gib": peak_gib(device),
+            }
+        )
+    if args.storage_dir is None:
+        return rows
+    # The bf16 rows, written `--write-gib` worth into a new sparse file per arm, at row offsets
+    # after a 4 KiB-unaligned header as in a shard file.
+    (states,) = host["bf16"]
+    data = memoryview(states.view(torch.uint8).reshape(-1).numpy())
+    repeats = max(1, round(args.write_gib * 2**30 / len(data)))
+    header = 4096 + 136
+    for name, direct in (("O_DIRECT", True), ("page cache", False)):
+        path = Path(args.storage_dir) / f"gpu_check_rows_{direct}.bin"
+        with open(path, "wb") as f:
+            f.truncate(header + repeats * len(data))
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with DirectWriter(path, direct=direct) as out:
+            for i in range(repeats):
+                out.write(data, header + i * len(data))
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        path.unlink()
+        gb = repeats * len(data) / 1e9
+        rows.append(
+            {
+                "check": "row writes, fdatasync included",
+                "size": f"{gb:.1f} GB into a new file in {args.storage_dir}, {name}",
+                "figure": (
+                    f"{gb / wall:.2f} GB/s, {cpu / gb:.3f} CPU-s/GB "
+                    f"({out.direct_bytes / 1e9:.1f} GB direct)"
+                ),
+                "peak_gib": None,
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -322,6 +420,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed draft-training steps per case")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--skip-storage", action="store_true")
+    ap.add_argument(
+        "--capture-tokens", type=int, default=16384, help="tokens of one forward in (c)"
+    )
+    ap.add_argument(
+        "--storage-dir", help="write (c)'s rows into a new file here (default: no writes)"
+    )
+    ap.add_argument("--write-gib", type=float, default=4.0, help="GiB of rows per write arm")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -348,11 +454,13 @@ def main(argv=None) -> int:
         rows += run_reference(args, device)
     if not args.skip_draft:
         rows += run_draft(args, device)
+    if not args.skip_storage:
+        rows += run_storage(args, device)
     print()
     print("| check | size | figure | peak GPU memory |")
     print("|---|---|---|---|")
     for r in rows:
-        peak = "n/a (cpu)" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
         print(f"| {r['check']} | {r['size']} | {r['figure']} | {peak} |")
     print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
     return 0

@@ -37,6 +37,11 @@ pytestmark = pytest.mark.vllm
 MANY = merged(SMALL, {"data": {"shard_size": 32}})
 # Chunks of about 200 tokens and small forwards, so a kill lands inside a shard.
 MANY_CHUNKED = merged(MANY, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
+# One conversation per forward and chunks of about 100 tokens: a shard takes about 32 forwards,
+# so a kill aimed at "a chunk committed" lands while that shard is still in flight. (With 8 per
+# forward a fast CPU finishes the shard within one poll, the kill lands between shards, and the
+# next job rightly starts a new server: the run succeeds and the test meant nothing.)
+ONE_PER_FORWARD = merged(MANY, {"extract": {"chunk_tokens": 100, "max_num_seqs": 1}})
 
 
 def engine_loads(workdir, stage="extract") -> int:
@@ -119,12 +124,12 @@ def start_run(workdir, config):
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
-def wait_for(proc, what, cond, timeout=900):
+def wait_for(proc, what, cond, timeout=900, poll_s=0.2):
     deadline = time.time() + timeout
     while not cond():
         assert proc.poll() is None, f"the run ended before {what}"
         assert time.time() < deadline, f"{what} never happened"
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def partial_chunks(workdir):
@@ -196,9 +201,9 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
 def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp_path):
     work = tmp_path / "engine-killed"
     work.mkdir()
-    proc = start_run(work, MANY_CHUNKED)
+    proc = start_run(work, ONE_PER_FORWARD)
     try:
-        wait_for(proc, "a shard in flight", lambda: len(partial_chunks(work)) >= 1)
+        wait_for(proc, "a shard in flight", lambda: len(partial_chunks(work)) >= 1, poll_s=0.02)
         (pid,) = server_pids(work)
         in_flight = {p.parent.name for p in partial_chunks(work)}
         os.kill(pid, signal.SIGKILL)
@@ -206,13 +211,13 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, "the kill missed every shard in flight"
     logs = work / "results" / "logs" / "extract"
     failed = [p for p in logs.glob("*/*.log") if "died while prefilling" in p.read_text()]
     assert {p.stem for p in failed} == in_flight
     for p in failed:  # the server log's tail is in the shard's log
         assert "engine server" in p.read_text().split("died while prefilling", 1)[1]
-    snakemake(work, "extract", config=MANY_CHUNKED)
+    snakemake(work, "extract", config=ONE_PER_FORWARD)
     files = shard_files(work)
     assert len(files) >= 12 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2

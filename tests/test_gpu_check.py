@@ -1,7 +1,9 @@
-"""benchmarks/gpu_check.py in its CPU smoke mode: the reference-check and draft-training paths
-run end to end at tiny sizes and print the figures table (the real run needs a GPU)."""
+"""benchmarks/gpu_check.py in its CPU smoke mode: the reference-check, draft-training and storage
+paths run end to end at tiny sizes and print the figures table (the real run needs a GPU)."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,8 +16,9 @@ def load_gpu_check():
     return module
 
 
-def test_gpu_check_smoke_mode_on_cpu(capsys):
-    assert load_gpu_check().main(["--device", "cpu", "--small"]) == 0
+def test_gpu_check_smoke_mode_on_cpu(capsys, tmp_path):
+    args = ["--device", "cpu", "--small", "--storage-dir", str(tmp_path), "--write-gib", "0.01"]
+    assert load_gpu_check().main(args) == 0
     out = capsys.readouterr().out
     assert "| check | size | figure | peak GPU memory |" in out
     reference_rows = [line for line in out.splitlines() if line.startswith("| reference layer")]
@@ -23,3 +26,21 @@ def test_gpu_check_smoke_mode_on_cpu(capsys):
     assert "| reference forward (fp32, all layers) |" in out
     draft_rows = [line for line in out.splitlines() if line.startswith("| draft training |")]
     assert len(draft_rows) == 1 and "tok/s" in draft_rows[0] and "ms/step" in draft_rows[0], out
+    host_rows = [line for line in out.splitlines() if line.startswith("| states to host")]
+    assert len(host_rows) == 2 and all("MiB" in line for line in host_rows), out
+    assert "bf16" in host_rows[0] and "fp8" in host_rows[1]
+    write_rows = [line for line in out.splitlines() if line.startswith("| row writes")]
+    assert len(write_rows) == 2 and all("CPU-s/GB" in line for line in write_rows), out
+    assert "O_DIRECT" in write_rows[0] and "(0.0 GB direct)" in write_rows[1]
+    assert list(tmp_path.iterdir()) == []  # the written files are removed
+
+
+def test_gpu_check_imports_without_vllm():
+    """The GPU machine has PyTorch but no vLLM: nothing the script imports may need it."""
+    script = str(REPO / "benchmarks" / "gpu_check.py")
+    code = (
+        "import sys, importlib.util; sys.modules['vllm'] = None; "
+        f"spec = importlib.util.spec_from_file_location('g', {script!r}); "
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

@@ -27,6 +27,7 @@ Every error raised here carries the full worker traceback in its message.
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 import time
@@ -37,7 +38,7 @@ import torch
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.vllm_fixes import apply_vllm_fixes
-from eagleflow.store.quant import is_fp8, quantize
+from eagleflow.store.quant import is_fp8, states_to_host
 from eagleflow.store.shardfile import ChunkTarget
 
 # Worker processes build the model after importing this module (TP > 1 on the CPU).
@@ -229,18 +230,8 @@ class CaptureExtension:
                 f"the model returned {len(aux)} aux states for layer ids {list(self._ef_ids)}"
             )
         t0 = time.perf_counter()
-        # One device->host copy per forward: [n_tokens, n_layers, hidden]. copy=True because
-        # on CPU `.to("cpu")` would alias the runner's persistent input buffers.
-        if self._ef_fp8:
-            # Quantized layer by layer on the device (float32 scratch of one layer at a time),
-            # fp8 codes moved as bytes (uint8: every backend stacks and indexes those).
-            quantized = [quantize(a[:n]) for a in aux]
-            cols = (
-                torch.stack([q.view(torch.uint8) for q, _ in quantized], dim=1).to("cpu"),
-                torch.stack([s for _, s in quantized], dim=1).to("cpu"),
-            )
-        else:
-            cols = (torch.stack([a[:n] for a in aux], dim=1).to("cpu"),)
+        cols = states_to_host(aux, n, self._ef_fp8)
+        # copy=True because on CPU `.to("cpu")` would alias the runner's persistent buffers.
         pos = positions[:n].to("cpu", copy=True)
         ids = input_ids[:n].to("cpu", copy=True)
         self._ef_stats["d2h_copy"] += time.perf_counter() - t0
@@ -268,6 +259,12 @@ class CaptureExtension:
         self._ef_expected = missing
 
     def _ef_writer_loop(self):
+        # The writer takes only CPU the engine leaves idle: on a CPU-bound engine a writer
+        # preempting one of the forward's threads stalls all of them at the next barrier. Its
+        # queue is bounded, so a starved writer blocks the engine's hand-over, which idles a
+        # CPU, which runs the writer: it is delayed, never stopped.
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             item = self._ef_queue.get()
             try:

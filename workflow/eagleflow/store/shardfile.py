@@ -5,7 +5,8 @@ shard's file under `.partial/<shard>/shard.safetensors` with its final safetenso
 layout is known from the token shard and the capture plan), the small tensors (`input_ids`,
 `loss_mask`, `offsets`) and the full size (sparse: the states' bytes are not written until they
 exist). The capture worker writes each chunk's rows of `hidden_states` (and, in fp8, of
-`hidden_scales`) at their offsets, flushes them, and only then commits the chunk by its marker
+`hidden_scales`) at their offsets, around the page cache where the filesystem allows
+(`eagleflow.store.direct_io`), flushes them, and only then commits the chunk by its marker
 (`eagleflow.store.chunks`). Finishing is verification of the file in place (a read) and a
 hard link into the final path: no second copy of the states is ever written.
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from eagleflow.store.chunks import commit_marker
+from eagleflow.store.direct_io import DirectWriter
 from eagleflow.store.dtypes import torch_dtype
 from eagleflow.store.quant import FP8, SCALES_KEY, is_fp8
 from eagleflow.store.stream import safetensors_header
@@ -73,38 +75,31 @@ class ShardFile:
         self, lo: int, column: int, states: torch.Tensor, scales: torch.Tensor | None
     ) -> None:
         """Write `states` [n, k, hidden] (in fp8 the codes, any 1-byte dtype) and `scales`
-        [n, k] as rows lo..lo+n, layer columns column..column+k, then flush them to disk."""
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            self._write(fd, "hidden_states", lo, column, states, self.state_bytes)
+        [n, k] as rows lo..lo+n, layer columns column..column+k, then flush them to disk.
+        Whole rows of states go around the page cache where the filesystem allows
+        (`eagleflow.store.direct_io`): nothing reads them back but the verification."""
+        with DirectWriter(self.path) as out:
+            self._write(out, "hidden_states", lo, column, states, self.state_bytes)
             if scales is not None:
-                self._write(fd, SCALES_KEY, lo, column, scales, 4)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+                self._write(out, SCALES_KEY, lo, column, scales, 4)
 
-    def _write(self, fd: int, name: str, lo: int, column: int, t: torch.Tensor, item_bytes: int):
+    def _write(self, out: DirectWriter, name: str, lo: int, column: int, t, item_bytes: int):
         n, k = t.shape[0], t.shape[1]
         data = t.contiguous().view(torch.uint8).reshape(n, k * item_bytes).numpy()
         row = self.n_layers * item_bytes
         start = self.spans[name][0] + lo * row
         if start + n * row > self.spans[name][1]:
             raise ValueError(f"{self.path}: rows {lo}..{lo + n - 1} lie beyond {name}")
-        if k == self.n_layers:  # whole rows: one contiguous write
-            _pwrite_all(fd, memoryview(data).cast("B"), start)
+        if k == self.n_layers:  # whole rows: one contiguous range
+            out.write(memoryview(data).cast("B"), start)
             return
-        # A pipeline stage's layers: its columns of each row, one write per row. Byte-range
-        # writes, not a shared mapping: stages on other nodes write the other columns of the
-        # same pages, and a network filesystem writes back what each client dirtied.
+        # A pipeline stage's layers: its columns of each row, one write per row, through the
+        # page cache. Byte-range writes, not a shared mapping: stages on other nodes write the
+        # other columns of the same pages, and a network filesystem writes back what each
+        # client dirtied.
         offset = start + column * item_bytes
         for r in range(n):
-            _pwrite_all(fd, memoryview(data[r]), offset + r * row)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
+            out.write_cached(memoryview(data[r]), offset + r * row)
 
 
 @dataclass(frozen=True)

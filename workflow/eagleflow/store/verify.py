@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from eagleflow.data.shards import TokenShard
+from eagleflow.store.direct_io import DirectReader
 from eagleflow.store.dtypes import code_of, torch_dtype
 from eagleflow.store.headers import cheap_check, read_header
 from eagleflow.store.integrity import quarantine
@@ -198,29 +199,30 @@ def _verify_tensors(path, tokens, expected: Expected) -> tuple[list[str], str | 
 
 def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
     """Read the file once, start to end, hashing every byte; `hidden_states` is read in row
-    blocks and checked by each row's peak (dequantized with `scales`, a safetensors slice, in
-    fp8). The first problem of each kind is appended to `problems`; hashing goes on to the end."""
+    blocks, around the page cache where the filesystem allows (the file was just written
+    around it, and no one else reads it now: `eagleflow.store.direct_io`), and checked by each
+    row's peak (dequantized with `scales`, a safetensors slice, in fp8). The first problem of
+    each kind is appended to `problems`; hashing goes on to the end."""
     info = header["hidden_states"]
     T, n, H = info["shape"]
     dtype = torch_dtype(info["dtype"])
     row = n * H * dtype.itemsize
+    states_start = data_start + info["data_offsets"][0]
     sha = hashlib.sha256()
-    buf = bytearray(min(ROW_BLOCK, max(T, 1)) * row)
     state_problem = False
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, DirectReader(path, min(ROW_BLOCK, max(T, 1)) * row) as reader:
         sha.update(f.read(data_start))
         _hash_span(f, sha, info["data_offsets"][0])  # tensors laid out before the states, if any
         for a in range(0, T, ROW_BLOCK):
             rows = min(ROW_BLOCK, T - a)
-            view = memoryview(buf)[: rows * row]
-            if f.readinto(view) != len(view):
+            view = reader.read(states_start + a * row, rows * row)
+            if len(view) != rows * row:
                 problems.append(f"hidden_states: the file ends inside row block {a}")
                 return sha.hexdigest()
             sha.update(view)
             if state_problem:
                 continue
-            raw = torch.frombuffer(buf, dtype=torch.uint8)[: rows * row]
-            states = raw.view(dtype).reshape(rows, n, H)
+            states = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(rows, n, H)
             sc = scales[a : a + rows] if scales is not None else None
             if sc is not None:
                 bad_scale = ~(torch.isfinite(sc) & (sc > 0))
@@ -249,6 +251,7 @@ def _scan_states(path, header, data_start, layer_ids, scales, problems) -> str:
                     f"hidden_states: all-zero row at token {tok + a}, layer id {layer_ids[layer]}"
                 )
                 state_problem = True
+        f.seek(states_start + T * row)
         _hash_span(f, sha, None)  # the tensors after the states, to the end
     return sha.hexdigest()
 

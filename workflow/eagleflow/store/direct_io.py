@@ -1,0 +1,202 @@
+"""Writing and reading the states without the page cache (`O_DIRECT`), with the page cache
+as the fallback where a filesystem refuses it.
+
+Why: the states are written once and not read again by the job that writes them except by its
+verification read, so caching them buys nothing and costs a page per 4 KiB, twice (filled on
+write, again on read). On a virtual machine that returns freed memory to its host, every new
+page also faults on the host: measured there, 256 MiB of fresh page-cache writes cost 0.65-0.84 s
+of CPU against 0.005-0.009 s with `O_DIRECT`, on a core the engine's forward was using
+(docs/measurements/extract-throughput.md).
+
+`O_DIRECT` wants the file offset, the length and the memory address aligned to the device's
+block: `ALIGN` (4 KiB, or the page size where pages are larger) covers every filesystem the
+workflow meets. A range to write is split: its whole aligned pages go direct, copied through a
+reused aligned buffer (a tensor's own memory is not page-aligned), and the partial pages at
+either end go through the page cache. So every byte is written by exactly one path, and two
+chunks that share a page at their boundary both write it through the cache. A filesystem that
+refuses `O_DIRECT` (tmpfs on older kernels, some FUSE mounts: `EINVAL`, at open or at the first
+transfer) gets everything through the page cache, with one warning per process.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+
+ALIGN = max(4096, mmap.PAGESIZE)
+BOUNCE_BYTES = 64 << 20  # the aligned buffer direct writes are copied through, per thread
+
+log = logging.getLogger(__name__)
+_refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT in this process
+_local = threading.local()
+
+
+def round_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_buffer(n_bytes: int) -> mmap.mmap:
+    """Anonymous memory of at least `n_bytes`, starting on a page (so ALIGN-aligned)."""
+    return mmap.mmap(-1, max(round_up(n_bytes), ALIGN))
+
+
+def _bounce() -> memoryview:
+    if getattr(_local, "bounce", None) is None:
+        _local.bounce = memoryview(aligned_buffer(BOUNCE_BYTES))
+    return _local.bounce
+
+
+def _open_direct(path, flags: int) -> int | None:
+    """An O_DIRECT descriptor of `path`, or None where its filesystem refuses one."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    dev = os.stat(path).st_dev
+    if dev in _refused:
+        return None
+    try:
+        return os.open(path, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _refuse(path, dev)
+        return None
+
+
+def _refuse(path, dev: int) -> None:
+    if dev not in _refused:
+        _refused.add(dev)
+        log.warning(
+            "%s: its filesystem refuses O_DIRECT; states go through the page cache there", path
+        )
+
+
+class _DirectFile:
+    """One file open twice: through the page cache (`fd`) and, where the filesystem allows,
+    with O_DIRECT (`direct_fd`, None where refused or not asked for)."""
+
+    def __init__(self, path, flags: int, direct: bool):
+        self.path = path
+        self.fd = os.open(path, flags)
+        self.direct_fd = _open_direct(path, flags) if direct else None
+
+    def _give_up_direct(self) -> None:
+        """The filesystem refused a direct transfer (some FUSE and network mounts open
+        fine): this file, and later ones on its filesystem, through the page cache."""
+        _refuse(self.path, os.fstat(self.fd).st_dev)
+        os.close(self.direct_fd)
+        self.direct_fd = None
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DirectWriter(_DirectFile):
+    """Writes byte ranges into an existing file (`write`), then `close()` flushes them to disk
+    (fdatasync: the data and the size-independent metadata, such as blocks allocated in a
+    sparse file). `direct_bytes` counts what went around the page cache."""
+
+    def __init__(self, path, direct: bool = True):
+        super().__init__(path, os.O_WRONLY, direct)
+        self.direct_bytes = 0
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Write `data` (bytes-like, any address) at `offset`."""
+        data = memoryview(data).cast("B")
+        end = offset + len(data)
+        a, b = round_up(offset), round_down(end)
+        if self.direct_fd is None or b <= a:
+            _pwrite_all(self.fd, data, offset)
+            return
+        _pwrite_all(self.fd, data[: a - offset], offset)
+        self._write_direct(data[a - offset : b - offset], a)
+        _pwrite_all(self.fd, data[b - offset :], b)
+
+    def write_cached(self, data: memoryview, offset: int) -> None:
+        """Write `data` through the page cache: for pieces other writers share pages with."""
+        _pwrite_all(self.fd, memoryview(data).cast("B"), offset)
+
+    def _write_direct(self, data: memoryview, offset: int) -> None:
+        bounce = _bounce()
+        done = 0
+        while done < len(data):
+            n = min(len(bounce), len(data) - done)
+            bounce[:n] = data[done : done + n]
+            try:
+                _pwrite_all(self.direct_fd, bounce[:n], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._give_up_direct()  # this range's rest and all later ones cached
+                _pwrite_all(self.fd, data[done:], offset + done)
+                return
+            done += n
+            self.direct_bytes += n
+
+    def close(self, sync: bool = True) -> None:
+        try:
+            if sync:
+                os.fdatasync(self.fd)
+        finally:
+            super().close()
+
+    def __exit__(self, *exc) -> None:
+        self.close(sync=exc[0] is None)
+
+
+class DirectReader(_DirectFile):
+    """Reads byte ranges of a file of at most `max_bytes` each (`read`), direct where the
+    filesystem allows: the aligned pages around the range are read into one reused buffer and
+    the range is returned as a view into it, valid until the next `read`."""
+
+    def __init__(self, path, max_bytes: int, direct: bool = True):
+        super().__init__(path, os.O_RDONLY, direct)
+        self.buffer = memoryview(aligned_buffer(max_bytes + 2 * ALIGN))
+
+    def read(self, offset: int, length: int) -> memoryview:
+        """`length` bytes at `offset`; fewer where the file ends first."""
+        if self.direct_fd is not None:
+            a, b = round_down(offset), round_up(offset + length)
+            try:
+                got = _pread_into(self.direct_fd, self.buffer[: b - a], a, direct=True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._give_up_direct()
+            else:
+                return self.buffer[offset - a : max(offset - a, min(got, offset - a + length))]
+        got = _pread_into(self.fd, self.buffer[:length], offset)
+        return self.buffer[:got]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, direct: bool = False) -> int:
+    """Fill `buf` from `offset`; the bytes read (fewer only at the end of the file)."""
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        got += n
+        # A short direct read is the end of the file: asking again from an unaligned offset
+        # would be refused rather than answered with 0.
+        if n == 0 or (direct and got < len(buf)):
+            break
+    return got
