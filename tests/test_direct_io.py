@@ -125,6 +125,22 @@ def test_whole_pages_go_around_the_page_cache(tmp_path):
     assert [resident(path, a, b) for a, b in direct_pages] == [0] * len(direct_pages)
 
 
+def test_page_aligned_memory_goes_to_disk_without_a_copy(tmp_path):
+    path = sparse_file(tmp_path / "f")
+    data = direct_io.aligned_empty((3 * ALIGN,), torch.uint8)
+    data.copy_(torch.randint(0, 256, (3 * ALIGN,), dtype=torch.uint8))
+    with DirectWriter(path) as w:
+        if w.direct_fd is None:
+            pytest.skip(f"{tmp_path}: its filesystem refuses O_DIRECT")
+        w.write(memoryview(data.numpy()), ALIGN)  # aligned memory, aligned offset: no copy
+        assert (w.direct_bytes, w.bounced_bytes) == (3 * ALIGN, 0)
+        w.write(memoryview(data.numpy())[1 : 1 + ALIGN + 2], 5 * ALIGN - 1)  # misaligned: a copy
+        assert (w.direct_bytes, w.bounced_bytes) == (4 * ALIGN, ALIGN)
+    got = path.read_bytes()
+    assert got[ALIGN : 4 * ALIGN] == data.numpy().tobytes()
+    assert got[5 * ALIGN - 1 : 6 * ALIGN + 1] == data.numpy().tobytes()[1 : 1 + ALIGN + 2]
+
+
 def test_a_filesystem_refusing_o_direct_at_open_gets_everything_cached(
     tmp_path, monkeypatch, caplog
 ):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from eagleflow.capture.plan import Stage
 from eagleflow.extract.shard import chunk_targets, finish_shard, prepare_shard_file
 from eagleflow.store.chunks import ShardChunks
+from eagleflow.store.direct_io import ALIGN
 from eagleflow.store.headers import file_sha256
 from eagleflow.store.quant import FP8, SCALES_KEY, dequantize, quantize
 from eagleflow.store.verify import Expected, verify_shard
@@ -40,6 +41,8 @@ def test_the_file_is_created_in_its_final_layout_and_kept_across_runs(shard, tmp
     chunks = ShardChunks.plan(shard, FP, out, 64)
     shard_file = prepare_shard_file(chunks, PLAN, "bfloat16")
     assert chunks.shard_file.stat().st_size == shard_file.size
+    # The states start on a page: whole rows go to disk straight from aligned memory.
+    assert shard_file.spans["hidden_states"][0] % ALIGN == 0
     with safe_open(str(chunks.shard_file), framework="pt") as f:  # a valid safetensors file
         assert f.get_slice("hidden_states").get_shape() == [len(shard.input_ids), 4, 16]
         assert f.get_tensor("input_ids").tolist() == shard.input_ids.tolist()

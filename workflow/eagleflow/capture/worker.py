@@ -34,8 +34,7 @@ import time
 import traceback
 from itertools import islice
 
-import torch
-
+from eagleflow.capture.chunk_rows import place_rows
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.vllm_fixes import apply_vllm_fixes
 from eagleflow.store.quant import is_fp8, states_to_host
@@ -280,39 +279,9 @@ class CaptureExtension:
                 self._ef_queue.task_done()
 
     def _ef_write_chunk(self, spec: dict, pieces: list) -> None:
-        """Place each request's rows by position, check them and the engine's input ids, write."""
-        n_tok = sum(spec["lengths"])
-        # The state columns of a row: (states,) or, in fp8, (fp8 codes as uint8, scales).
-        firsts = pieces[0][0][2:]
-        cols = [torch.empty((n_tok, *c.shape[1:]), dtype=c.dtype) for c in firsts]
-        input_ids = torch.empty(n_tok, dtype=torch.int64)
-        row = 0
-        for rid, length, parts in zip(spec["requests"], spec["lengths"], pieces):
-            pos, ids, *states = [torch.cat(x) for x in zip(*parts)] if len(parts) > 1 else parts[0]
-            want = torch.arange(length, dtype=pos.dtype)
-            if not torch.equal(pos, want):
-                keep = pos < length  # drop any decode step scheduled past the prompt
-                order = torch.argsort(pos[keep])
-                pos, ids = pos[keep][order], ids[keep][order]
-                states = [s[keep][order] for s in states]
-                if not torch.equal(pos, want):
-                    raise RuntimeError(
-                        f"request {rid}: captured positions do not cover 0..{length - 1} exactly "
-                        "once "
-                        f"(got {len(pos)} rows; prefix caching must be off)"
-                    )
-            for col, s in zip(cols, states):
-                col[row : row + length] = s
-            input_ids[row : row + length] = ids
-            row += length
-        expected = torch.frombuffer(bytearray(spec["token_bytes"]), dtype=torch.int64)
-        if not torch.equal(input_ids, expected):
-            bad = int((input_ids != expected).nonzero()[0])
-            starts = torch.cumsum(torch.tensor([0, *spec["lengths"]]), 0)
-            rid = spec["requests"][int(torch.searchsorted(starts, bad, right=True)) - 1]
-            raise RuntimeError(
-                f"request {rid}: the engine's input ids differ from the sample's tokens"
-            )
+        """Place the rows (`eagleflow.capture.chunk_rows`: views of the forward's host tensor
+        where they lie in order already), check the engine's input ids, write."""
+        cols, _ = place_rows(spec["requests"], spec["lengths"], pieces, spec["token_bytes"])
         # Into the shard file in place, then the marker: a chunk is committed only once its
         # rows are on disk (eagleflow.store.shardfile, eagleflow.store.chunks).
         spec["target"].commit(cols[0], cols[1] if self._ef_fp8 else None)

@@ -10,12 +10,14 @@ of CPU against 0.005-0.009 s with `O_DIRECT`, on a core the engine's forward was
 
 `O_DIRECT` wants the file offset, the length and the memory address aligned to the device's
 block: `ALIGN` (4 KiB, or the page size where pages are larger) covers every filesystem the
-workflow meets. A range to write is split: its whole aligned pages go direct, copied through a
-reused aligned buffer (a tensor's own memory is not page-aligned), and the partial pages at
-either end go through the page cache. So every byte is written by exactly one path, and two
-chunks that share a page at their boundary both write it through the cache. A filesystem that
-refuses `O_DIRECT` (tmpfs on older kernels, some FUSE mounts: `EINVAL`, at open or at the first
-transfer) gets everything through the page cache, with one warning per process.
+workflow meets. A range to write is split: its whole aligned pages go direct, and the partial
+pages at either end go through the page cache. The direct part is written from the caller's
+memory where it lies on a page boundary together with the file offset (the capture worker's
+rows, in `aligned_empty` memory, into a shard file whose states start on a page), and is
+otherwise copied through a reused aligned buffer first. So every byte is written by exactly one
+path, and two chunks that share a page at their boundary both write it through the cache. A
+filesystem that refuses `O_DIRECT` (tmpfs on older kernels, some FUSE mounts: `EINVAL`, at open
+or at the first transfer) gets everything through the page cache, with one warning per process.
 """
 
 from __future__ import annotations
@@ -45,6 +47,24 @@ def round_up(n: int) -> int:
 def aligned_buffer(n_bytes: int) -> mmap.mmap:
     """Anonymous memory of at least `n_bytes`, starting on a page (so ALIGN-aligned)."""
     return mmap.mmap(-1, max(round_up(n_bytes), ALIGN))
+
+
+def aligned_empty(shape, dtype):
+    """An uninitialized torch tensor of `shape` and `dtype` whose memory starts on a page."""
+    import torch
+
+    n_bytes = dtype.itemsize
+    for d in shape:
+        n_bytes *= d
+    raw = torch.frombuffer(aligned_buffer(n_bytes), dtype=torch.uint8)
+    return raw[:n_bytes].view(dtype).reshape(shape)
+
+
+def address(data: memoryview) -> int:
+    """Where `data`'s first byte lies in memory."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
 
 
 def _bounce() -> memoryview:
@@ -108,11 +128,13 @@ class _DirectFile:
 class DirectWriter(_DirectFile):
     """Writes byte ranges into an existing file (`write`), then `close()` flushes them to disk
     (fdatasync: the data and the size-independent metadata, such as blocks allocated in a
-    sparse file). `direct_bytes` counts what went around the page cache."""
+    sparse file). `direct_bytes` counts what went around the page cache, `bounced_bytes` the
+    part of it that had to be copied to an aligned buffer first."""
 
     def __init__(self, path, direct: bool = True):
         super().__init__(path, os.O_WRONLY, direct)
         self.direct_bytes = 0
+        self.bounced_bytes = 0
 
     def write(self, data: memoryview, offset: int) -> None:
         """Write `data` (bytes-like, any address) at `offset`."""
@@ -131,6 +153,17 @@ class DirectWriter(_DirectFile):
         _pwrite_all(self.fd, memoryview(data).cast("B"), offset)
 
     def _write_direct(self, data: memoryview, offset: int) -> None:
+        if address(data) % ALIGN == 0:
+            try:
+                _pwrite_all(self.direct_fd, data, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._give_up_direct()
+                _pwrite_all(self.fd, data, offset)
+            else:
+                self.direct_bytes += len(data)
+            return
         bounce = _bounce()
         done = 0
         while done < len(data):
@@ -146,6 +179,7 @@ class DirectWriter(_DirectFile):
                 return
             done += n
             self.direct_bytes += n
+            self.bounced_bytes += n
 
     def close(self, sync: bool = True) -> None:
         try:

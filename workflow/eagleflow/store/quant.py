@@ -71,7 +71,9 @@ def states_to_host(aux, n: int, fp8: bool) -> tuple:
     """One forward's aux states (one [>= n, hidden] tensor per layer id, on the device) as host
     tensors of its first `n` tokens: ([n, n_layers, hidden],) in the engine's dtype, or in fp8
     (codes as uint8 [n, n_layers, hidden], scales float32 [n, n_layers]). One device->host
-    copy per tensor; in fp8 quantized on the device first, so half the bytes cross."""
+    copy per tensor; in fp8 quantized on the device first, so half the bytes cross. The states
+    land in page-aligned memory, from which whole rows go to disk with no further copy
+    (`eagleflow.store.direct_io`)."""
     import torch
 
     if fp8:
@@ -79,11 +81,26 @@ def states_to_host(aux, n: int, fp8: bool) -> tuple:
         # (uint8: every backend stacks and indexes those).
         quantized = [quantize(a[:n]) for a in aux]
         return (
-            torch.stack([q.view(torch.uint8) for q, _ in quantized], dim=1).to("cpu"),
+            _stack_to_host([q.view(torch.uint8) for q, _ in quantized]),
             torch.stack([s for _, s in quantized], dim=1).to("cpu"),
         )
-    # stack copies, so `.to("cpu")` never aliases the runner's buffers, on CPU either.
-    return (torch.stack([a[:n] for a in aux], dim=1).to("cpu"),)
+    return (_stack_to_host([a[:n] for a in aux]),)
+
+
+def _stack_to_host(layers):
+    """[n, hidden] per layer -> [n, n_layers, hidden] in new page-aligned host memory (never
+    aliasing the runner's buffers, on the CPU either)."""
+    import torch
+
+    from eagleflow.store.direct_io import aligned_empty
+
+    (n, hidden), first = layers[0].shape, layers[0]
+    out = aligned_empty((n, len(layers), hidden), first.dtype)
+    if first.device.type == "cpu":
+        torch.stack(layers, dim=1, out=out)
+    else:
+        out.copy_(torch.stack(layers, dim=1))  # stacked on the device, one copy across
+    return out
 
 
 def row_peaks(states, scales=None):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from eagleflow.store.chunks import commit_marker
-from eagleflow.store.direct_io import DirectWriter
+from eagleflow.store.direct_io import ALIGN, DirectWriter
 from eagleflow.store.dtypes import torch_dtype
 from eagleflow.store.quant import FP8, SCALES_KEY, is_fp8
 from eagleflow.store.stream import safetensors_header
@@ -150,7 +150,9 @@ def plan_shard_file(path: Path, shard, plan, dtype, fingerprint: str) -> tuple[S
         "format": FORMAT,
         "storage_dtype": plan.storage_dtype,
     }
-    header, spans, size = safetensors_header(layout, metadata)
+    # The states start on a page, so rows of a whole number of pages (Kimi-K2.5's 57,344 bytes
+    # per token, the embedded default's 8,192) go to disk straight from an aligned buffer.
+    header, spans, size = safetensors_header(layout, metadata, data_align=ALIGN)
     state_bytes = layout[0][1].itemsize * plan.hidden_size
     return ShardFile(Path(path), spans, n_layers, state_bytes, size), header
 

@@ -24,10 +24,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def safetensors_header(layout, metadata: dict[str, str]) -> tuple[bytes, dict, int]:
+def safetensors_header(
+    layout, metadata: dict[str, str], data_align: int = 8
+) -> tuple[bytes, dict, int]:
     """The bytes a safetensors file of `layout` = [(name, dtype, shape)] starts with (length
-    prefix and JSON header, padded so the data starts 8-byte aligned), each tensor's absolute
-    byte range in the file, and the file's size."""
+    prefix and JSON header, padded with spaces as the format allows so the data starts at a
+    multiple of `data_align`: 8, or a page for direct I/O), each tensor's absolute byte range
+    in the file, and the file's size."""
     header, offset, sizes = {}, 0, []
     for name, dtype, shape in layout:
         n = torch.empty(0, dtype=dtype).element_size()
@@ -42,7 +45,7 @@ def safetensors_header(layout, metadata: dict[str, str]) -> tuple[bytes, dict, i
         offset += n
     header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % data_align)
     start = 8 + len(blob)
     spans = {name: (start + a, start + b) for name, a, b in sizes}
     return struct.pack("<Q", len(blob)) + blob, spans, start + offset
