@@ -14,8 +14,9 @@ what runs without it, at realistic sizes, and prints one figures table:
       (hidden 4096), bf16 autocast, AdamW, 3 TTT steps: step time, tokens/s, peak GPU memory.
   (c) storage (`eagleflow.store.quant.states_to_host`, `eagleflow.store.direct_io`): one
       forward's states at Kimi-K2.5's widths (4 layers x 7168, bf16) brought to the host as
-      the capture worker does, in bf16 and quantized to fp8 on the device first (ms per
-      forward, bytes); then those rows written into a file on this machine's disk with
+      the capture worker does (into pinned memory), in bf16 and quantized to fp8 on the
+      device first, and bf16 into pageable memory for comparison (ms per forward, bytes);
+      then those rows written into a file on this machine's disk with
       O_DIRECT and through the page cache, as `ShardFile.write_rows` does (GB/s, CPU seconds
       per GB, each file new, fdatasync included).
 
@@ -42,7 +43,7 @@ from eagleflow.capture.reference import check_shard_against_reference, reference
 from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagleflow.draft.train import TrainConfig, optimizer_step  # noqa: E402
-from eagleflow.store.direct_io import DirectWriter  # noqa: E402
+from eagleflow.store.direct_io import ALIGN, DirectWriter  # noqa: E402
 from eagleflow.store.quant import states_to_host  # noqa: E402
 from eagleflow.target.head import TargetHead  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
@@ -329,12 +330,10 @@ def layer_states(n_tokens: int, hidden: int, n_layers: int, device: torch.device
     ]
 
 
-def pinned_to_host(aux, n: int, fp8: bool) -> tuple:
-    """As `states_to_host` in bf16, but into pinned host memory (a comparison arm)."""
-    stacked = torch.stack([a[:n] for a in aux], dim=1)
-    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-    host.copy_(stacked)
-    return (host,)
+def pageable_to_host(aux, n: int, fp8: bool) -> tuple:
+    """As `states_to_host` in bf16, but into new pageable host memory per forward (the path
+    before pinned memory: a comparison arm)."""
+    return (torch.stack([a[:n] for a in aux], dim=1).to("cpu"),)
 
 
 def run_storage(args, device: torch.device) -> list[dict]:
@@ -347,9 +346,7 @@ def run_storage(args, device: torch.device) -> list[dict]:
         ("fp8 (quantized on the device)", True, states_to_host),
     ]
     if device.type == "cuda":
-        # The alternative not built yet: stacked on the device, copied into pinned host memory
-        # (torch's caching host allocator reuses it) instead of pageable memory per forward.
-        arms.append(("bf16 into pinned memory (not eagleflow's path)", False, pinned_to_host))
+        arms.append(("bf16 into pageable memory (not eagleflow's path)", False, pageable_to_host))
     for name, fp8, to_host in arms:
         reset_peak(device)
         for _ in range(args.warmup):
@@ -377,12 +374,12 @@ def run_storage(args, device: torch.device) -> list[dict]:
         )
     if args.storage_dir is None:
         return rows
-    # The bf16 rows, written `--write-gib` worth into a new sparse file per arm, at row offsets
-    # after a 4 KiB-unaligned header as in a shard file.
+    # The bf16 rows as `states_to_host` left them, written `--write-gib` worth into a new sparse
+    # file per arm, after a header of one page as in a shard file.
     (states,) = host["bf16"]
     data = memoryview(states.view(torch.uint8).reshape(-1).numpy())
     repeats = max(1, round(args.write_gib * 2**30 / len(data)))
-    header = 4096 + 136
+    header = ALIGN
     for name, direct in (("O_DIRECT", True), ("page cache", False)):
         path = Path(args.storage_dir) / f"gpu_check_rows_{direct}.bin"
         with open(path, "wb") as f:
@@ -400,7 +397,8 @@ def run_storage(args, device: torch.device) -> list[dict]:
                 "size": f"{gb:.1f} GB into a new file in {args.storage_dir}, {name}",
                 "figure": (
                     f"{gb / wall:.2f} GB/s, {cpu / gb:.3f} CPU-s/GB "
-                    f"({out.direct_bytes / 1e9:.1f} GB direct)"
+                    f"({out.direct_bytes / 2**20:,.0f} MiB direct, of which "
+                    f"{out.bounced_bytes / 2**20:,.0f} MiB copied to an aligned buffer first)"
                 ),
                 "peak_gib": None,
             }

@@ -95,12 +95,20 @@ def _stack_to_host(layers):
     from eagleflow.store.direct_io import aligned_empty
 
     (n, hidden), first = layers[0].shape, layers[0]
-    out = aligned_empty((n, len(layers), hidden), first.dtype)
+    shape = (n, len(layers), hidden)
     if first.device.type == "cpu":
-        torch.stack(layers, dim=1, out=out)
+        out = aligned_empty(shape, first.dtype)
+        return torch.stack(layers, dim=1, out=out)
+    stacked = torch.stack(layers, dim=1)  # on the device, then one copy across
+    if first.device.type == "cuda":
+        # Pinned memory from torch's caching host allocator: reused from forward to forward (no
+        # new pages each time) and copied into at the link's full speed; its blocks are
+        # cudaHostAlloc's, page-aligned, so rows go to disk direct (where one is not, the
+        # writer copies through its own aligned buffer: `benchmarks/gpu_check.py` reports it).
+        out = torch.empty(shape, dtype=first.dtype, pin_memory=True)
     else:
-        out.copy_(torch.stack(layers, dim=1))  # stacked on the device, one copy across
-    return out
+        out = aligned_empty(shape, first.dtype)
+    return out.copy_(stacked)
 
 
 def row_peaks(states, scales=None):
