@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eagleflow.capture.chunk_rows import place_rows
+from eagleflow.store import quant
 from eagleflow.store.direct_io import ALIGN, address
 from eagleflow.store.quant import FP8, dequantize, states_to_host
 
@@ -45,6 +46,20 @@ def test_states_land_in_page_aligned_memory_in_both_storage_dtypes():
     value = dequantize(codes.view(torch.float8_e4m3fn), scales, torch.float32)
     want = torch.stack([a[:37] for a in aux], dim=1).float()
     assert (value - want).norm() / want.norm() < 0.05, FP8
+
+
+def test_a_forwards_host_memory_is_reused_once_its_rows_are_written():
+    aux = [torch.randn(40, HIDDEN).bfloat16() for _ in range(LAYERS)]
+    (states,) = states_to_host(aux, 37, fp8=False)
+    rows, ptr = states[3:9], states.data_ptr()  # a chunk's view, still with the writer
+    del states
+    (busy,) = states_to_host(aux, 37, fp8=False)
+    assert busy.data_ptr() != ptr
+    del rows, busy
+    reused = quant._host_pool.reused
+    (again,) = states_to_host(aux, 30, fp8=False)
+    assert quant._host_pool.reused == reused + 1
+    assert torch.equal(again, torch.stack([a[:30] for a in aux], dim=1))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

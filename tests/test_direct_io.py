@@ -7,6 +7,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,6 +140,36 @@ def test_page_aligned_memory_goes_to_disk_without_a_copy(tmp_path):
     got = path.read_bytes()
     assert got[ALIGN : 4 * ALIGN] == data.numpy().tobytes()
     assert got[5 * ALIGN - 1 : 6 * ALIGN + 1] == data.numpy().tobytes()[1 : 1 + ALIGN + 2]
+
+
+def test_the_pool_hands_a_buffer_out_again_only_once_its_last_view_is_gone():
+    pool = direct_io.AlignedPool()
+    first = direct_io.aligned_empty((2 * ALIGN + 5,), torch.uint8, pool)
+    first_ptr, with_writer = first.data_ptr(), [first[ALIGN:]]  # a chunk's view, queued
+    del first
+    second = direct_io.aligned_empty((ALIGN,), torch.uint8, pool)
+    assert second.data_ptr() != first_ptr and pool.reused == 0
+    writer = threading.Thread(target=with_writer.clear)  # the writer drops the last view
+    writer.start()
+    writer.join()
+    third = direct_io.aligned_empty((ALIGN,), torch.uint8, pool)  # smaller: the first fits
+    assert (third.data_ptr(), pool.reused) == (first_ptr, 1)
+    del second, third
+    again = [direct_io.aligned_empty((ALIGN,), torch.uint8, pool) for _ in range(2)]
+    assert pool.reused == 3 and len(pool._buffers) == 2
+    assert all(t.data_ptr() % ALIGN == 0 for t in again)
+
+
+def test_the_pool_keeps_at_most_its_bound_and_replaces_a_free_buffer_too_small():
+    pool = direct_io.AlignedPool(max_buffers=2)
+    held = [direct_io.aligned_empty((ALIGN,), torch.uint8, pool) for _ in range(3)]
+    assert len(pool._buffers) == 2  # the third was handed out unkept
+    del held[0]
+    big = direct_io.aligned_empty((4 * ALIGN,), torch.uint8, pool)  # replaces the free small one
+    assert pool.reused == 0 and sorted(len(b) for b in pool._buffers) == [ALIGN, 4 * ALIGN]
+    ptr = big.data_ptr()
+    del big
+    assert direct_io.aligned_empty((3 * ALIGN,), torch.uint8, pool).data_ptr() == ptr
 
 
 def test_a_filesystem_refusing_o_direct_at_open_gets_everything_cached(

@@ -26,6 +26,7 @@ import errno
 import logging
 import mmap
 import os
+import sys
 import threading
 
 ALIGN = max(4096, mmap.PAGESIZE)
@@ -49,15 +50,58 @@ def aligned_buffer(n_bytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(round_up(n_bytes), ALIGN))
 
 
-def aligned_empty(shape, dtype):
-    """An uninitialized torch tensor of `shape` and `dtype` whose memory starts on a page."""
+def aligned_empty(shape, dtype, pool: AlignedPool | None = None):
+    """An uninitialized torch tensor of `shape` and `dtype` whose memory starts on a page: a
+    mapping reused from `pool` where one is free, else a new one."""
     import torch
 
     n_bytes = dtype.itemsize
     for d in shape:
         n_bytes *= d
-    raw = torch.frombuffer(aligned_buffer(n_bytes), dtype=torch.uint8)
+    buffer = pool.take(n_bytes) if pool is not None else aligned_buffer(n_bytes)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
     return raw[:n_bytes].view(dtype).reshape(shape)
+
+
+class AlignedPool:
+    """Page-aligned mappings handed out again once nothing refers to them.
+
+    Why: a new mapping faults in every page on first touch, and on a virtual machine that
+    returns freed memory to its host each of those faults is paid on the host too (the fresh
+    page cost in docs/measurements/extract-throughput.md). The capture worker takes one buffer
+    per forward, on the forward's own thread; reused, those pages are touched once per process.
+
+    A buffer is free when only the pool holds it: a tensor made with `torch.frombuffer` (and
+    every view of it) holds a reference to its mapping until the last view is gone, whichever
+    thread drops it. The pool keeps at most `max_buffers` (its high-water mark of buffers in use
+    at once, each as large as the request that made it); past that it hands out mappings
+    it does not keep."""
+
+    def __init__(self, max_buffers: int = 16):
+        self.max_buffers = max_buffers
+        self._buffers: list[mmap.mmap] = []
+        self.reused = 0  # takes served from a free buffer (tests, benchmarks)
+        # The count of a buffer only the pool's list holds, as `_refs` sees it (the interpreter
+        # decides how many references the call itself adds).
+        self._idle_refs = _refs([aligned_buffer(ALIGN)], 0)
+
+    def take(self, n_bytes: int) -> mmap.mmap:
+        size = max(round_up(n_bytes), ALIGN)
+        free = [i for i in range(len(self._buffers)) if _refs(self._buffers, i) <= self._idle_refs]
+        fits = [i for i in free if len(self._buffers[i]) >= size]
+        if fits:
+            self.reused += 1
+            return self._buffers[min(fits, key=lambda i: len(self._buffers[i]))]
+        buffer = aligned_buffer(size)
+        if len(self._buffers) < self.max_buffers:
+            self._buffers.append(buffer)
+        elif free:  # replace a free buffer too small for this size
+            self._buffers[free[0]] = buffer
+        return buffer
+
+
+def _refs(buffers: list, i: int) -> int:
+    return sys.getrefcount(buffers[i])
 
 
 def address(data: memoryview) -> int:

@@ -87,17 +87,23 @@ def states_to_host(aux, n: int, fp8: bool) -> tuple:
     return (_stack_to_host([a[:n] for a in aux]),)
 
 
+_host_pool = None  # this process's page-aligned buffers for the forwards' states
+
+
 def _stack_to_host(layers):
-    """[n, hidden] per layer -> [n, n_layers, hidden] in new page-aligned host memory (never
-    aliasing the runner's buffers, on the CPU either)."""
+    """[n, hidden] per layer -> [n, n_layers, hidden] in page-aligned host memory of its own
+    (never aliasing the runner's buffers, on the CPU either)."""
     import torch
 
-    from eagleflow.store.direct_io import aligned_empty
+    from eagleflow.store.direct_io import AlignedPool, aligned_empty
 
+    global _host_pool
+    if _host_pool is None:
+        _host_pool = AlignedPool()
     (n, hidden), first = layers[0].shape, layers[0]
     shape = (n, len(layers), hidden)
     if first.device.type == "cpu":
-        out = aligned_empty(shape, first.dtype)
+        out = aligned_empty(shape, first.dtype, _host_pool)
         return torch.stack(layers, dim=1, out=out)
     stacked = torch.stack(layers, dim=1)  # on the device, then one copy across
     if first.device.type == "cuda":
@@ -107,7 +113,7 @@ def _stack_to_host(layers):
         # writer copies through its own aligned buffer: `benchmarks/gpu_check.py` reports it).
         out = torch.empty(shape, dtype=first.dtype, pin_memory=True)
     else:
-        out = aligned_empty(shape, first.dtype)
+        out = aligned_empty(shape, first.dtype, _host_pool)
     return out.copy_(stacked)
 
 
