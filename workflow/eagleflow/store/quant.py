@@ -15,6 +15,7 @@ invocation); the tensor functions import torch.
 
 from __future__ import annotations
 
+from eagleflow.store.direct_io import AlignedPool, aligned_empty
 from eagleflow.store.dtypes import itemsize
 
 DEFAULT_STORAGE = "bfloat16"
@@ -87,7 +88,7 @@ def states_to_host(aux, n: int, fp8: bool) -> tuple:
     return (_stack_to_host([a[:n] for a in aux]),)
 
 
-_host_pool = None  # this process's page-aligned buffers for the forwards' states
+_host_pool = AlignedPool()  # this process's page-aligned buffers for the forwards' states
 
 
 def _stack_to_host(layers):
@@ -95,11 +96,6 @@ def _stack_to_host(layers):
     (never aliasing the runner's buffers, on the CPU either)."""
     import torch
 
-    from eagleflow.store.direct_io import AlignedPool, aligned_empty
-
-    global _host_pool
-    if _host_pool is None:
-        _host_pool = AlignedPool()
     (n, hidden), first = layers[0].shape, layers[0]
     shape = (n, len(layers), hidden)
     if first.device.type == "cpu":
