@@ -44,6 +44,8 @@ from eagleflow.capture.plan import make_plan  # noqa: E402
 from eagleflow.data.conversations import Conversation  # noqa: E402
 from eagleflow.data.shards import build_shards  # noqa: E402
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest  # noqa: E402
+from eagleflow.embedded.bundled_data import generate_conversations  # noqa: E402
+from eagleflow.embedded.tiny_target import build_tiny_target  # noqa: E402
 from eagleflow.engine.settings import EngineSettings  # noqa: E402
 from eagleflow.extract.shard import (  # noqa: E402
     Timings,
@@ -52,8 +54,6 @@ from eagleflow.extract.shard import (  # noqa: E402
     run_chunks,
     start_capture_engine,
 )
-from eagleflow.fixtures.bundled_data import generate_conversations  # noqa: E402
-from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
 from eagleflow.store.chunks import ShardChunks  # noqa: E402
 from eagleflow.store.verify import Expected, verify_shard  # noqa: E402
 from eagleflow.target.info import count_parameters, read_target  # noqa: E402

@@ -1,8 +1,8 @@
 """Does a briefly trained tiny target answer its prompts? One training arm, then its figures.
 
 Builds an untrained tiny target (the Kimi-K2.5 replica's text model with its tokenizer, or the
-embedded target), trains it with the same trainer as the fixtures
-(`eagleflow.fixtures.train_target`) on the bundled corpus, and prints the loss of each held-out
+embedded target), trains it with the same trainer as the embedded targets
+(`eagleflow.embedded.train_target`) on the bundled corpus, and prints the loss of each held-out
 conversation's first reply token after its own prompt and after another conversation's
 (`first_reply_loss`; a model that ignores its prompt scores them alike), always rendered with
 the target's real chat template, plus the held-out loss and a few greedy replies.
@@ -35,10 +35,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from eagleflow.data.conversations import read_conversations  # noqa: E402
 from eagleflow.data.heldout import split  # noqa: E402
-from eagleflow.fixtures import tiny_kimi  # noqa: E402
-from eagleflow.fixtures.bundled_data import generate_conversations, write_jsonl  # noqa: E402
-from eagleflow.fixtures.tiny_target import build_tiny_target, corpus_texts  # noqa: E402
-from eagleflow.fixtures.train_target import (  # noqa: E402
+from eagleflow.embedded import tiny_kimi  # noqa: E402
+from eagleflow.embedded.bundled_data import generate_conversations, write_jsonl  # noqa: E402
+from eagleflow.embedded.tiny_target import build_tiny_target, corpus_texts  # noqa: E402
+from eagleflow.embedded.train_target import (  # noqa: E402
     TargetTrainConfig,
     first_reply_loss,
     train_target,

@@ -29,10 +29,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
+from streaming_writer import StreamingWriter  # noqa: E402
+
 from eagleflow.data.shards import TokenShard, write_token_shard  # noqa: E402
+from eagleflow.embedded.tiny_target import build_tiny_target  # noqa: E402
 from eagleflow.extract.fingerprint import config_fingerprint  # noqa: E402
-from eagleflow.fixtures.tiny_target import build_tiny_target  # noqa: E402
-from eagleflow.store.stream import StreamingWriter  # noqa: E402
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
@@ -176,7 +177,7 @@ def main():
     args = ap.parse_args()
     target = args.workdir / "target"
     if not (target / "config.json").exists():
-        from eagleflow.fixtures.bundled_data import generate_conversations
+        from eagleflow.embedded.bundled_data import generate_conversations
 
         rows = generate_conversations(200)
         build_tiny_target([m["content"] for r in rows for m in r["messages"]], target)

@@ -9,8 +9,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from eagleflow.fixtures.bundled_data import generate_conversations
-    from eagleflow.fixtures.tiny_target import train_tokenizer
+    from eagleflow.embedded.bundled_data import generate_conversations
+    from eagleflow.embedded.tiny_target import train_tokenizer
 
     rows = generate_conversations(300, seed=1)
     return train_tokenizer([m["content"] for r in rows for m in r["messages"]], vocab_size=512)

@@ -76,7 +76,7 @@ def test_changing_layer_ids_extracts_into_a_new_fingerprint_and_keeps_the_old(
 
 
 def test_appending_samples_extracts_only_the_new_shard(extracted_workdir, tmp_path):
-    from eagleflow.fixtures.bundled_data import generate_conversations
+    from eagleflow.embedded.bundled_data import generate_conversations
 
     work = copy_workdir(extracted_workdir, tmp_path / "w")
     new = [{**r, "id": f"appended-{i}"} for i, r in enumerate(generate_conversations(100, seed=7))]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from eagleflow.embedded.bundled_data import generate_conversations
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.fixtures.bundled_data import generate_conversations
-from eagleflow.fixtures.tiny_target import build_tiny_llama_target
+from support.dense_targets import build_tiny_llama_target
 
 pytestmark = pytest.mark.vllm
 

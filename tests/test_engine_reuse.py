@@ -244,7 +244,7 @@ REGEN_SHARDS = {
 
 
 def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(tmp_path):
-    from eagleflow.fixtures.bundled_data import generate_conversations
+    from eagleflow.embedded.bundled_data import generate_conversations
 
     work = tmp_path / "regen"
     work.mkdir()

@@ -1,4 +1,4 @@
-"""The tiny Kimi-K2.5 replica (eagleflow.fixtures.tiny_kimi) without vLLM: its tokenizer is code
+"""The tiny Kimi-K2.5 replica (eagleflow.embedded.tiny_kimi) without vLLM: its tokenizer is code
 that runs only when trusted, its template (no `{% generation %}` markers) gives assistant masks
 that match spans known by construction, the bundled dataset's masks through it hold only
 assistant text, and its wrapped weights load into an independent transformers forward.
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from eagleflow.data.templating import has_generation_markers, tokenize_conversation
-from eagleflow.fixtures import tiny_kimi
-from eagleflow.fixtures.bundled_data import generate_conversations
-from eagleflow.fixtures.train_target import first_reply_loss
+from eagleflow.embedded import tiny_kimi
+from eagleflow.embedded.bundled_data import generate_conversations
+from eagleflow.embedded.train_target import first_reply_loss
 from eagleflow.target.info import TargetError, read_target
 from eagleflow.target.load import check_remote_code, load_tokenizer, remote_code_files
 

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "eagleflow"
 
 # Lower stages first; a sub-package may import only from itself and the ones before it.
-ORDER = ["logs", "target", "engine", "data", "store", "capture", "extract", "draft", "fixtures"]
+ORDER = ["logs", "target", "engine", "data", "store", "capture", "extract", "draft", "embedded"]
 
 
 def module_imports() -> dict[str, set[str]]:

@@ -140,6 +140,8 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
 
     from eagleflow.capture.plan import make_plan
     from eagleflow.capture.reference import load_reference_model
+    from eagleflow.embedded.bundled_data import generate_conversations
+    from eagleflow.embedded.tiny_target import build_tiny_target
     from eagleflow.engine.builder import build_engine, stop_engine
     from eagleflow.engine.settings import EngineSettings
     from eagleflow.extract.shard import (
@@ -148,8 +150,6 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
         prepare_shard_file,
         shard_chunks,
     )
-    from eagleflow.fixtures.bundled_data import generate_conversations
-    from eagleflow.fixtures.tiny_target import build_tiny_target
     from eagleflow.target.layers import default_layer_ids
 
     monkeypatch.setenv(LOOPBACK_ENV, "1")

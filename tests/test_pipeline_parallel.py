@@ -22,6 +22,8 @@ from test_reference import (
 
 from eagleflow.capture.plan import CapturePlan, make_plan
 from eagleflow.capture.reference import load_reference_model
+from eagleflow.embedded.bundled_data import generate_conversations
+from eagleflow.embedded.tiny_target import build_tiny_target
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.extract.shard import (
     Timings,
@@ -30,8 +32,6 @@ from eagleflow.extract.shard import (
     run_chunks,
     shard_chunks,
 )
-from eagleflow.fixtures.bundled_data import generate_conversations
-from eagleflow.fixtures.tiny_target import build_tiny_target
 from eagleflow.target.layers import default_layer_ids
 from support.workflow_runner import SMALL, hidden_dir, merged, snakemake
 

@@ -30,6 +30,8 @@ from eagleflow.capture.reference import (
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import TokenShard, build_shards
 from eagleflow.data.templating import Tokenized, tokenize_conversation, tokenizer_digest
+from eagleflow.embedded.bundled_data import generate_conversations
+from eagleflow.embedded.tiny_target import build_tiny_target
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.extract.shard import (
@@ -39,15 +41,10 @@ from eagleflow.extract.shard import (
     prepare_shard_file,
     run_chunks,
 )
-from eagleflow.fixtures.bundled_data import generate_conversations
-from eagleflow.fixtures.tiny_target import (
-    build_tiny_llama_target,
-    build_tiny_qwen3_target,
-    build_tiny_target,
-)
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.target.info import TargetInfo, read_target
 from eagleflow.target.layers import default_layer_ids
+from support.dense_targets import build_tiny_llama_target, build_tiny_qwen3_target
 
 pytestmark = pytest.mark.vllm
 

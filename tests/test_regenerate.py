@@ -317,8 +317,8 @@ def test_rows_kept_plus_rejected_equal_rows_read_through_sharding(tmp_path, toke
 def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
     """A tiny (untrained) DeepseekV3 target answers two prompts through vLLM's LLM.generate,
     with the embedded default's engine settings (MLA off, as on CPU; max_num_seqs set)."""
-    from eagleflow.fixtures.bundled_data import generate_conversations
-    from eagleflow.fixtures.tiny_target import build_tiny_target
+    from eagleflow.embedded.bundled_data import generate_conversations
+    from eagleflow.embedded.tiny_target import build_tiny_target
 
     rows = generate_conversations(300, seed=1)
     target = build_tiny_target(

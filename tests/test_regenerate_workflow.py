@@ -55,7 +55,7 @@ def token_shard_ids(workdir):
 
 @pytest.fixture(scope="module")
 def regenerated_workdir(tmp_path_factory):
-    from eagleflow.fixtures.bundled_data import generate_conversations
+    from eagleflow.embedded.bundled_data import generate_conversations
 
     workdir = tmp_path_factory.mktemp("regen")
     with open(dataset(workdir), "w") as f:

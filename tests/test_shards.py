@@ -6,7 +6,7 @@ from conftest import write_jsonl
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards, read_token_shard, shard_dataset, write_token_shard
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
-from eagleflow.fixtures.bundled_data import generate_conversations
+from eagleflow.embedded.bundled_data import generate_conversations
 
 
 def convs(n, seed=0):

@@ -1,11 +1,11 @@
-"""Target training (eagleflow.fixtures.train_target): the length-grouped batch stream. The training
+"""Target training (eagleflow.embedded.train_target): the length-grouped batch stream. The training
 itself runs in the train_tiny_target rule (minutes), not here."""
 
 import random
 
 import torch
 
-from eagleflow.fixtures.train_target import _batches, _pad
+from eagleflow.embedded.train_target import _batches, _pad
 
 
 def _samples(n=500, seed=0):

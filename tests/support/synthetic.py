@@ -12,8 +12,8 @@ from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.data.conversations import Conversation
 from eagleflow.data.shards import build_shards, write_token_shard
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
+from eagleflow.embedded.bundled_data import generate_conversations
 from eagleflow.extract.shard import chunk_targets, finish_shard, prepare_shard_file
-from eagleflow.fixtures.bundled_data import generate_conversations
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.headers import file_sha256
 from eagleflow.store.quant import DEFAULT_STORAGE, is_fp8, quantize

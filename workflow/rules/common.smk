@@ -23,8 +23,8 @@ from eagleflow.store.integrity import (
 from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.info import TOKENIZER_FILES, read_target
-from eagleflow.fixtures.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
-from eagleflow.fixtures.tiny_kimi import (
+from eagleflow.embedded.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
+from eagleflow.embedded.tiny_kimi import (
     TINY_KIMI_FILES,
     TOKENIZER_FILES as KIMI_TOKENIZER_FILES,
 )
@@ -39,7 +39,7 @@ TINY_TARGET = "resources/targets/tiny-deepseek-v3"
 # The embedded tiny target briefly trained on the bundled corpus (target_training.smk), built
 # from the untrained fixture; config/config.yaml points `target.path` here.
 TRAINED_TINY_TARGET = "resources/targets/tiny-deepseek-v3-trained"
-# A tiny replica of Kimi-K2.5's published layout (fixtures.smk, rule tiny_kimi_k25); it ships
+# A tiny replica of Kimi-K2.5's published layout (embedded.smk, rule tiny_kimi_k25); it ships
 # its tokenizer as code.
 TINY_KIMI_TARGET = "resources/targets/tiny-kimi-k25"
 EMBEDDED_TARGETS = (TINY_TARGET, TRAINED_TINY_TARGET, TINY_KIMI_TARGET)

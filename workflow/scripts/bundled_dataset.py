@@ -1,4 +1,4 @@
-from eagleflow.fixtures.bundled_data import generate_conversations, write_jsonl
+from eagleflow.embedded.bundled_data import generate_conversations, write_jsonl
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):

@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 
 from eagleflow.data.conversations import read_conversations
-from eagleflow.fixtures.tiny_kimi import build_tiny_kimi
-from eagleflow.fixtures.train_target import TargetTrainConfig
+from eagleflow.embedded.tiny_kimi import build_tiny_kimi
+from eagleflow.embedded.train_target import TargetTrainConfig
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):

@@ -1,5 +1,5 @@
 from eagleflow.data.conversations import read_conversations
-from eagleflow.fixtures.tiny_target import build_tiny_target, corpus_texts, describe
+from eagleflow.embedded.tiny_target import build_tiny_target, corpus_texts, describe
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):

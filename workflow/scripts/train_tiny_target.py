@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import json
 
 from eagleflow.data.conversations import read_conversations
-from eagleflow.fixtures.train_target import TargetTrainConfig, train_target
+from eagleflow.embedded.train_target import TargetTrainConfig, train_target
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +27,38 @@ import torch
 
 from eagleflow.store.chunks import commit_marker
 from eagleflow.store.direct_io import ALIGN, DirectWriter
-from eagleflow.store.dtypes import torch_dtype
+from eagleflow.store.dtypes import code_of, torch_dtype
 from eagleflow.store.quant import FP8, SCALES_KEY, is_fp8
-from eagleflow.store.stream import safetensors_header
 
 FORMAT = "eagleflow-hidden-v1"
 SHARD_FILE = "shard.safetensors"  # inside .partial/<shard>/
+
+
+def safetensors_header(
+    layout, metadata: dict[str, str], data_align: int = 8
+) -> tuple[bytes, dict, int]:
+    """The bytes a safetensors file of `layout` = [(name, dtype, shape)] starts with (length
+    prefix and JSON header, padded with spaces as the format allows so the data starts at a
+    multiple of `data_align`: 8, or a page for direct I/O), each tensor's absolute byte range
+    in the file, and the file's size."""
+    header, offset, sizes = {}, 0, []
+    for name, dtype, shape in layout:
+        n = torch.empty(0, dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        header[name] = {
+            "dtype": code_of(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        sizes.append((name, offset, offset + n))
+        offset += n
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % data_align)
+    start = 8 + len(blob)
+    spans = {name: (start + a, start + b) for name, a, b in sizes}
+    return struct.pack("<Q", len(blob)) + blob, spans, start + offset
 
 
 def shard_layout(n_tokens: int, n_offsets: int, n_layers: int, hidden: int, dtype, storage: str):

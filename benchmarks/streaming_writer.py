@@ -1,54 +1,21 @@
-"""Write a safetensors file tensor by tensor, hashing as it goes, in bounded memory.
-
-`safetensors.torch.save_file` needs every tensor in memory at once; a shard of a large target
-is many GB. The format is an 8-byte little-endian header length, a JSON header (dtype, shape,
-data offsets per tensor, `__metadata__` of strings), then the raw bytes; this writer emits
-exactly that, and the result is read back with safetensors' own reader in verification.
-"""
+"""A safetensors file written tensor by tensor, hashing as it goes, in bounded memory: the
+streaming write that benchmarks/rerun_overhead.py builds its large shards with (the workflow's
+own shards are written in place by eagleflow.store.shardfile)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from pathlib import Path
 
 import torch
 
-from eagleflow.store.dtypes import code_of
+from eagleflow.store.shardfile import safetensors_header
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
-
-def safetensors_header(
-    layout, metadata: dict[str, str], data_align: int = 8
-) -> tuple[bytes, dict, int]:
-    """The bytes a safetensors file of `layout` = [(name, dtype, shape)] starts with (length
-    prefix and JSON header, padded with spaces as the format allows so the data starts at a
-    multiple of `data_align`: 8, or a page for direct I/O), each tensor's absolute byte range
-    in the file, and the file's size."""
-    header, offset, sizes = {}, 0, []
-    for name, dtype, shape in layout:
-        n = torch.empty(0, dtype=dtype).element_size()
-        for d in shape:
-            n *= d
-        header[name] = {
-            "dtype": code_of(dtype),
-            "shape": list(shape),
-            "data_offsets": [offset, offset + n],
-        }
-        sizes.append((name, offset, offset + n))
-        offset += n
-    header["__metadata__"] = metadata
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % data_align)
-    start = 8 + len(blob)
-    spans = {name: (start + a, start + b) for name, a, b in sizes}
-    return struct.pack("<Q", len(blob)) + blob, spans, start + offset
 
 
 class StreamingWriter:

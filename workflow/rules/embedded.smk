@@ -41,7 +41,7 @@ rule tiny_target:
         "../scripts/tiny_target.py"
 
 
-# A tiny replica of Kimi-K2.5's published layout (eagleflow.fixtures.tiny_kimi): wrapper
+# A tiny replica of Kimi-K2.5's published layout (eagleflow.embedded.tiny_kimi): wrapper
 # config, hub tensor names, tiktoken tokenizer shipped as code, Kimi's chat template; built,
 # trained on the bundled corpus as the embedded target is, and wrapped, in one job.
 rule tiny_kimi_k25:
