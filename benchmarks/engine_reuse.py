@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from eagleflow.extract.client import LOADED  # noqa: E402
+from eagleflow.serve.client import LOADED  # noqa: E402
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 

@@ -80,8 +80,7 @@ class PeakRSS:
     """Peak resident memory of this process and its descendants (engine core, workers) during
     the block: each process's kernel high-water mark (VmHWM), reset on entry through
     /proc/<pid>/clear_refs, summed on exit. The sum is an upper bound of the tree's peak, and
-    no sampling thread competes for the CPU (an earlier sampler cost the measured arm about
-    6% of a core)."""
+    no sampling thread takes CPU from the arm it measures."""
 
     def __enter__(self):
         self.peak = 0

@@ -1,10 +1,6 @@
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.target_configs import DEEPSEEK_V3, fake_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -27,27 +23,13 @@ def tokenizer_dir(tmp_path_factory, tokenizer):
 def fake_deepseek_v3(tmp_path, tokenizer_dir):
     """DeepSeek-V3's real config.json and a tokenizer, weights reduced to one small file: a
     stand-in for the GPU examples' `target.path` (tests/test_examples.py, test_docs_commands.py)."""
-    import torch
-    from safetensors.torch import save_file
-    from test_target import DEEPSEEK_V3
-
-    d = tmp_path / "DeepSeek-V3"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
-    for p in Path(tokenizer_dir).iterdir():
-        shutil.copy(p, d / p.name)
-    save_file(
-        {"model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
-        str(d / "model-00001-of-000163.safetensors"),
+    return fake_checkpoint(
+        tmp_path / "DeepSeek-V3",
+        DEEPSEEK_V3,
+        tokenizer_dir,
+        "model.norm.weight",
+        "model-00001-of-000163.safetensors",
     )
-    return d
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from eagleflow.capture.plan import (
 )
 from eagleflow.target.info import read_target
 from eagleflow.target.layers import default_layer_ids, resolve_layer_ids
+from support.target_configs import KIMI_K25
 
 DEEPSEEK = ARCHITECTURES["DeepseekV3ForCausalLM"]
 FAKE_OLD = ArchSpec(
@@ -196,8 +197,6 @@ def test_extract_hidden_states_refused_for_mla_targets(tmp_path):
 
 def test_extract_hidden_states_refused_for_kimi_k25_wrapper(tmp_path):
     import json
-
-    from test_target import KIMI_K25
 
     info = _target(tmp_path, json.dumps(KIMI_K25))
     assert info.wrapper and info.is_mla

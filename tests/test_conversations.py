@@ -2,9 +2,9 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import write_jsonl
 
 from eagleflow.data.conversations import DatasetError, normalize_messages, read_conversations
+from support.datasets import write_jsonl
 
 OPENAI = {
     "id": "a",
@@ -106,7 +106,7 @@ def test_openai_content_parts_are_joined_and_other_parts_named():
 
 
 def test_prompt_only_data_without_regeneration_says_to_turn_it_on(tmp_path, tokenizer_dir):
-    from eagleflow.data.shards import shard_dataset
+    from eagleflow.data.shards import TokenShardOutputs, shard_dataset
 
     data = write_jsonl(tmp_path / "q.jsonl", [{"turns": ["Hi?"]}, {"turns": ["Why?", "How?"]}])
     for on_bad_row in ("error", "skip"):
@@ -114,9 +114,7 @@ def test_prompt_only_data_without_regeneration_says_to_turn_it_on(tmp_path, toke
             shard_dataset(
                 data,
                 tokenizer_dir,
-                tmp_path / "t",
-                tmp_path / "m.parquet",
-                tmp_path / "r.jsonl",
+                TokenShardOutputs(tmp_path / "t", tmp_path / "m.parquet", tmp_path / "r.jsonl"),
                 shard_size=4,
                 max_length=64,
                 on_bad_row=on_bad_row,

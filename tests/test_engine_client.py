@@ -4,6 +4,7 @@ regenerate_shard jobs start and reuse the real one, answers regeneration's round
 come out byte for byte as with the job's own generator, the summaries say which job loaded
 the model, and a failed request or a dead server fails the job with the reason."""
 
+import importlib
 import json
 import os
 import signal
@@ -12,19 +13,19 @@ from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
-from conftest import write_jsonl
-from test_regenerate import IDENTITY, rows_of, shard_files
 
-from eagleflow.data.regenerate import counting_generator, regenerate_source_shard
-from eagleflow.data.sources import split_sources
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import LOADED, EngineClient, ServerSpec, alive, registry_dir
+from eagleflow.extract.shard import CAPTURE_SERVER
+from eagleflow.regenerate.replies import GENERATE_SERVER, Generator, served_generator
+from eagleflow.regenerate.shard import Regeneration, SourceShard, regenerate_source_shard
+from eagleflow.regenerate.sources import split_sources
+from eagleflow.serve.client import LOADED, EngineClient, ServerSpec, alive, registry_dir
+from support.datasets import rows_of, write_jsonl
 from support.fake_engine_server import DIE, FAIL, reply
+from support.regeneration import IDENTITY, shard_files
 from support.workflow_runner import REPO
 
-
-class FakeServerClient(EngineClient):
-    server_module = "support.fake_engine_server"
+FAKE_SERVER = "support.fake_engine_server"  # the server module the tests' clients start
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def spec(tmp_path, monkeypatch):
 
 
 def connect(spec, started, stack=None):
-    client = FakeServerClient(spec, log=lambda *_: None)
+    client = EngineClient(spec, FAKE_SERVER, log=lambda *_: None)
     client = stack.enter_context(client) if stack else client.__enter__()
     if client.started_here:
         started.append(client.server_pid)
@@ -82,6 +83,14 @@ def test_spec_round_trips_and_a_generate_server_has_no_plan(spec):
         ServerSpec(spec.settings, None, spec.engine_dir, spec.log_dir, 30, kind="both")
 
 
+def test_each_kind_has_its_stage_s_server_module():
+    """The modules the clients start (`python -m`) exist, each with its engine."""
+    capture = importlib.import_module(CAPTURE_SERVER)
+    generate = importlib.import_module(GENERATE_SERVER)
+    assert capture.CaptureEngine.request == "prefill"
+    assert generate.GenerateEngine.request == "generate"
+
+
 def test_source_shards_through_one_shared_server_match_their_own_generator(
     spec, tmp_path, tokenizer_dir
 ):
@@ -92,23 +101,19 @@ def test_source_shards_through_one_shared_server_match_their_own_generator(
     ids = [s["id"] for s in manifest["shards"]]
     assert len(ids) == 3
 
-    def regenerate(out, sid, **how):
+    def regenerate(out, sid, generator):
         out.mkdir(parents=True, exist_ok=True)
         return regenerate_source_shard(
-            data,
-            manifest,
-            sid,
-            tokenizer_dir,
+            SourceShard(data, manifest, sid),
             shard_files(out, sid),
-            max_length=512,
-            max_new_tokens=4,
-            chunk_rows=2,
-            **how,
+            Regeneration(tokenizer_dir, max_length=512, max_new_tokens=4, chunk_rows=2),
+            generator,
         )
 
     for sid in ids:  # the job's own generator, making the same replies
-        own, _ = counting_generator(lambda prompts: [reply(p, 4) for p in prompts])
-        regenerate(tmp_path / "own", sid, generate=own)
+        regenerate(
+            tmp_path / "own", sid, lambda: Generator(lambda prompts: [reply(p, 4) for p in prompts])
+        )
     summaries = []
     for sid in ids:  # one job after another, as Snakemake runs them locally
         with ExitStack() as stack:
@@ -116,7 +121,7 @@ def test_source_shards_through_one_shared_server_match_their_own_generator(
                 regenerate(
                     tmp_path / "shared",
                     sid,
-                    generator=lambda _, n: connect(spec, started, stack).generator(n),
+                    lambda: served_generator(connect(spec, started, stack), 4),
                 )
             )
     for sid in ids:
@@ -170,7 +175,7 @@ def test_a_job_about_to_load_an_engine_first_stops_the_idle_servers_of_its_run(s
     # capture server of the first extract job) starts: the idle one is asked to stop first.
     capture_like = replace(spec, engine_dir=tmp_path / "hidden" / ".engine")
     lines = []
-    client = FakeServerClient(capture_like, log=lines.append).__enter__()
+    client = EngineClient(capture_like, FAKE_SERVER, log=lines.append).__enter__()
     started.append(client.server_pid)
     assert client.started_here
     assert not alive(generate.server_pid) and not spec.registry_file.exists()

@@ -1,4 +1,4 @@
-"""One model load serves many shards (eagleflow.extract.server, docs/engine-reuse.md).
+"""One model load serves many shards (eagleflow.serve, docs/engine-reuse.md).
 
 Locally, `snakemake --cores N extract` runs the extract jobs one after another; the first
 starts an engine server and the others send it their shards. Every shard stays its own job:
@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
@@ -21,13 +20,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagleflow.extract.client import LOADED
+from eagleflow.serve.client import LOADED
 from support.workflow_runner import (
+    SHORT_REGENERATION,
     SMALL,
     hidden_dir,
     merged,
+    run_and_kill,
     snakemake,
-    snakemake_command,
     started_jobs,
 )
 
@@ -118,20 +118,6 @@ def test_thirteen_shards_one_load_same_states_as_per_shard(per_shard_reference, 
     assert engine_loads(work) == 1
 
 
-def start_run(workdir, config):
-    cmd = snakemake_command(workdir, "extract", config=config)
-    log = open(workdir / "run.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-
-
-def wait_for(proc, what, cond, timeout=900, poll_s=0.2):
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.time() < deadline, f"{what} never happened"
-        time.sleep(poll_s)
-
-
 def partial_chunks(workdir):
     d = workdir / "results" / "hidden"
     return sorted(d.glob("*/.partial/*/chunk-*.json")) if d.exists() else []
@@ -163,17 +149,16 @@ def gone(pid, timeout=30):
 def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
     work = tmp_path / "killed"
     work.mkdir()
-    proc = start_run(work, MANY_CHUNKED)
-    try:
-        # Two shards finished and a third one part-way: one chunk committed.
-        wait_for(
-            proc,
-            "the kill point",
-            lambda: len(finished(work)) >= 2 and len(partial_chunks(work)) >= 1,
-        )
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    # Two shards finished and a third one part-way (one chunk committed): kill the whole run.
+    run_and_kill(
+        work,
+        ["extract"],
+        MANY_CHUNKED,
+        lambda: len(finished(work)) >= 2 and len(partial_chunks(work)) >= 1,
+        poll_s=0.2,
+        timeout=900,
+        unlock=False,  # after the server's own end, below
+    )
     # What the kill left committed: chunk markers, their rows written in place in the partial
     # shard file (eagleflow.store.chunks), to find byte for byte in the finished shard.
     kept = {}
@@ -201,16 +186,25 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
 def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp_path):
     work = tmp_path / "engine-killed"
     work.mkdir()
-    proc = start_run(work, ONE_PER_FORWARD)
-    try:
-        wait_for(proc, "a shard in flight", lambda: len(partial_chunks(work)) >= 1, poll_s=0.02)
+    in_flight = set()
+
+    def kill_the_engine(proc):
+        """SIGKILL the engine server alone, with a shard in flight; the run goes on to its end."""
         (pid,) = server_pids(work)
-        in_flight = {p.parent.name for p in partial_chunks(work)}
+        in_flight.update(p.parent.name for p in partial_chunks(work))
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    proc = run_and_kill(
+        work,
+        ["extract"],
+        ONE_PER_FORWARD,
+        lambda: len(partial_chunks(work)) >= 1,
+        kill=kill_the_engine,
+        poll_s=0.02,
+        timeout=900,
+        unlock=False,  # Snakemake was not killed: it ended by itself
+    )
     assert proc.returncode != 0, "the kill missed every shard in flight"
     logs = work / "results" / "logs" / "extract"
     failed = [p for p in logs.glob("*/*.log") if "died while prefilling" in p.read_text()]
@@ -231,14 +225,7 @@ REGEN_SHARDS = {
         "path": "my-data.jsonl",
         "bundled_conversations": 150,
         "shard_size": 20,
-        "regenerate": {
-            "enabled": True,
-            "mla": False,
-            "max_num_seqs": 64,
-            "max_new_tokens": 8,
-            "shard_rows": 20,
-            "chunk_rows": 10,
-        },
+        "regenerate": {**SHORT_REGENERATION, "shard_rows": 20, "chunk_rows": 10},
     }
 }
 

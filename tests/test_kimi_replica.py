@@ -191,10 +191,10 @@ def test_the_workflow_refuses_shipped_code_before_the_dag(kimi, tmp_path, embedd
 def test_int4_packing_is_compressed_tensors_pack_quantized():
     """The probe's int4 experts (docs/support-matrix.md): eight 4-bit values per int32, lowest
     bits first, offset by 8; one scale per 32 inputs; dequantized within half a step."""
-    import torch
+    from support.int4_experts import pack_int4
 
     w = torch.randn(64, 128)
-    packed, scale, shape = tiny_kimi.pack_int4(w)
+    packed, scale, shape = pack_int4(w)
     assert packed.dtype == torch.int32 and packed.shape == (64, 16)
     assert scale.dtype == torch.bfloat16 and scale.shape == (64, 4)
     assert shape.tolist() == [64, 128]

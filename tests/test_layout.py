@@ -9,7 +9,30 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "eagleflow"
 
 # Lower stages first; a sub-package may import only from itself and the ones before it.
-ORDER = ["logs", "target", "engine", "data", "store", "capture", "extract", "draft", "embedded"]
+ORDER = [
+    "logs",
+    "target",
+    "engine",
+    "data",
+    "store",
+    "capture",
+    "serve",
+    "regenerate",
+    "extract",
+    "draft",
+    "embedded",
+]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The absolute imports of the source file `path`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -17,13 +40,7 @@ def module_imports() -> dict[str, set[str]]:
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-        graph[name] = {m for m in found if m.split(".")[0] == "eagleflow"}
+        graph[name] = {m for m in imported_modules(path) if m.split(".")[0] == "eagleflow"}
     return graph
 
 
@@ -33,7 +50,12 @@ def stage(module: str) -> str:
 
 def test_sub_packages_mirror_the_stages():
     subs = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert subs >= set(ORDER) - {"logs"} and len(subs) >= 4
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    # Every stage is named once, and is a sub-package or a single module; every sub-package and
+    # top-level module is a stage.
+    assert len(ORDER) == len(set(ORDER)), ORDER
+    assert subs == set(ORDER) - modules, sorted(subs ^ (set(ORDER) - modules))
+    assert modules <= set(ORDER), sorted(modules - set(ORDER))
 
 
 def test_dependencies_run_one_way():
@@ -62,3 +84,17 @@ def test_no_import_cycle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_test_modules_do_not_import_each_other():
+    """What tests share lives in tests/support/: a test module (or conftest, pytest's plugin) is
+    not a library, and a helper in one is found by reading the wrong file."""
+    tests = Path(__file__).resolve().parent
+    test_modules = {p.stem for p in tests.glob("test_*.py")} | {"conftest"}
+    wrong = [
+        f"{path.relative_to(tests)} imports {module}"
+        for path in sorted(tests.rglob("*.py"))
+        for module in sorted(imported_modules(path))
+        if module.split(".")[0] in test_modules
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -135,12 +135,9 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
     from dataclasses import replace
 
     import torch
-    from test_pipeline_parallel import capture
-    from test_reference import assert_matches_reference, build
 
     from eagleflow.capture.plan import make_plan
     from eagleflow.capture.reference import load_reference_model
-    from eagleflow.embedded.bundled_data import generate_conversations
     from eagleflow.embedded.tiny_target import build_tiny_target
     from eagleflow.engine.builder import build_engine, stop_engine
     from eagleflow.engine.settings import EngineSettings
@@ -151,12 +148,11 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
         shard_chunks,
     )
     from eagleflow.target.layers import default_layer_ids
+    from support.references import assert_matches_reference, build, capture, reference_corpus
 
     monkeypatch.setenv(LOOPBACK_ENV, "1")
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "300")
-    rows = generate_conversations(600, seed=3)
-    corpus = [m["content"] for r in rows for m in r["messages"]]
-    target = build(build_tiny_target, corpus, tmp_path / "deepseek")
+    target = build(build_tiny_target, reference_corpus(), tmp_path / "deepseek")
     ids = default_layer_ids(target.info.num_layers)
     plan = replace(make_plan(target.info, ids, "auto", pipeline_parallel_size=2), fingerprint="t")
     settings = EngineSettings(
@@ -170,7 +166,7 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
     try:
         (node,) = llm.eagleflow_nodes.procs
         assert node.poll() is None
-        states, tokens, files = capture(llm, target.shard, plan, tmp_path / "out")
+        captured = capture(llm, target.shard, plan, tmp_path / "out")
         # An error in the other node's worker alone (no file for stage 1) reaches this process
         # with its traceback (vLLM 0.32 then stops the engine: a failed collective_rpc is
         # fatal to its engine core).
@@ -183,6 +179,6 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
     finally:
         stop_engine(llm)
     assert node.poll() is not None  # the other node's workers stop with the engine
-    assert {f.split(".")[1] for f in files} == {"stage-0", "stage-1"}
-    assert torch.equal(tokens, torch.from_numpy(target.shard.input_ids))
-    assert_matches_reference(load_reference_model(target.path), states, target.shard, ids)
+    assert {f.split(".")[1] for f in captured.chunk_files} == {"stage-0", "stage-1"}
+    assert torch.equal(captured.input_ids, torch.from_numpy(target.shard.input_ids))
+    assert_matches_reference(load_reference_model(target.path), captured.states, target.shard, ids)

@@ -12,27 +12,21 @@ from dataclasses import replace
 import pytest
 import torch
 from safetensors import safe_open
-from test_reference import (
+
+from eagleflow.capture.plan import CapturePlan, make_plan
+from eagleflow.capture.reference import load_reference_model
+from eagleflow.embedded.tiny_target import build_tiny_target
+from eagleflow.engine.settings import EngineSettings
+from eagleflow.target.layers import default_layer_ids
+from support.references import (
     Engines,
     assert_matches_reference,
     assert_same_states,
     build,
+    capture,
+    reference_corpus,
     rel_err,
 )
-
-from eagleflow.capture.plan import CapturePlan, make_plan
-from eagleflow.capture.reference import load_reference_model
-from eagleflow.embedded.bundled_data import generate_conversations
-from eagleflow.embedded.tiny_target import build_tiny_target
-from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.shard import (
-    Timings,
-    finish_shard,
-    prepare_shard_file,
-    run_chunks,
-    shard_chunks,
-)
-from eagleflow.target.layers import default_layer_ids
 from support.workflow_runner import SMALL, hidden_dir, merged, snakemake
 
 pytestmark = pytest.mark.vllm
@@ -40,27 +34,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    rows = generate_conversations(600, seed=3)
-    corpus = [m["content"] for r in rows for m in r["messages"]]
-    return build(build_tiny_target, corpus, tmp_path_factory.mktemp("deepseek"))
-
-
-def capture(llm, shard, plan, workdir, chunk_tokens=400):
-    """The code path of `extract_shard` after the engine start, returning the shard file's
-    states and input ids and the chunk markers written."""
-    out = workdir / f"{shard.shard_id}.safetensors"
-    chunks = shard_chunks(shard, plan, out, chunk_tokens)
-    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
-    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
-    try:
-        assert len(chunks.ranges) >= 3
-        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, shard_file, Timings())
-        files = sorted(p.name for p in chunks.partial_dir.glob("chunk-*.json"))
-        finish_shard(chunks, out)
-    finally:
-        llm.collective_rpc("eagleflow_uninstall")
-    with safe_open(str(out), framework="pt") as f:
-        return f.get_tensor("hidden_states"), f.get_tensor("input_ids"), files
+    return build(build_tiny_target, reference_corpus(), tmp_path_factory.mktemp("deepseek"))
 
 
 def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(deepseek, tmp_path):
@@ -91,7 +65,8 @@ def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(d
             got[pp] = capture(llm, shard, plans[pp], tmp_path / f"pp{pp}")
     finally:
         engines.close()
-    (s1, t1, f1), (s2, t2, f2) = got[1], got[2]
+    s1, t1, f1 = got[1].states, got[1].input_ids, got[1].chunk_files
+    s2, t2, f2 = got[2].states, got[2].input_ids, got[2].chunk_files
     # One marker per chunk and capturing stage, each stage writing its own columns.
     assert f1 == [f"chunk-{i:05d}.json" for i in range(len(f1))]
     assert f2 == sorted(f"chunk-{i:05d}.stage-{s}.json" for i in range(len(f1)) for s in (0, 1))

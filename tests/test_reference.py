@@ -2,114 +2,52 @@
 across strategies, tensor-parallel degrees, a llama_4_scaling config and dense targets (Llama,
 Qwen3), and vLLM's own extract_hidden_states strategy.
 
-Engine starts dominate this module's time (~26 s each here, more under load), so targets,
-shards and engines are module-scoped and shared: `engines` keeps one engine alive at a time and
-hands the same one to every test that asks for the same target and settings; the DeepSeek
-target's aux_layers capture of the mixed shard is computed once and reused as the baseline.
+Engine starts dominate this module's time, so targets, shards and engines are module-scoped
+and shared: `engines` keeps one engine alive at a time and hands the same one to every test
+that asks for the same target and settings; the DeepSeek target's aux_layers capture of the
+mixed shard is computed once and reused as the baseline.
 """
 
 import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from eagleflow.capture.connector import engine_kwargs
 from eagleflow.capture.plan import make_plan
 from eagleflow.capture.reference import (
-    check_shard_against_reference,
     load_reference_model,
     reference_states,
 )
 from eagleflow.data.conversations import Conversation
-from eagleflow.data.shards import TokenShard, build_shards
-from eagleflow.data.templating import Tokenized, tokenize_conversation, tokenizer_digest
-from eagleflow.embedded.bundled_data import generate_conversations
+from eagleflow.data.shards import build_shards
+from eagleflow.data.templating import Tokenized
 from eagleflow.embedded.tiny_target import build_tiny_target
-from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.shard import (
-    CAPTURE_WORKER,
-    Timings,
-    finish_shard,
-    prepare_shard_file,
-    run_chunks,
-)
-from eagleflow.store.chunks import ShardChunks
-from eagleflow.target.info import TargetInfo, read_target
+from eagleflow.target.info import read_target
 from eagleflow.target.layers import default_layer_ids
 from support.dense_targets import build_tiny_llama_target, build_tiny_qwen3_target
+from support.references import (
+    Engines,
+    assert_matches_reference,
+    assert_same_states,
+    build,
+    capture,
+    reference_corpus,
+    rel_err,
+)
 
 pytestmark = pytest.mark.vllm
-
-# Very different lengths in one shard, committed in several chunks (= several generate calls
-# on the same engine): rows of one request must never land in another's sample.
-LENGTHS = [3, 480, 17, 1, 250, 64, 9, 333, 40, 120, 5, 200]
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    rows = generate_conversations(600, seed=3)
-    return [m["content"] for r in rows for m in r["messages"]]
-
-
-def mixed_shard(tokenizer):
-    rows = generate_conversations(400, seed=11)
-    stream = np.concatenate(
-        [tokenize_conversation(tokenizer, r["messages"], 10_000).input_ids for r in rows]
-    )
-    convs, toks, at = [], [], 0
-    for i, n in enumerate(LENGTHS):
-        ids = stream[at : at + n]
-        at += n
-        toks.append(Tokenized(ids, np.ones(n, dtype=np.uint8)))
-        convs.append(Conversation(f"mixed-{i}", (), "test", i))
-    return build_shards(convs, toks, len(convs), tokenizer_digest(tokenizer))[0]
-
-
-def capture(llm, shard, plan, workdir, chunk_tokens=400):
-    """eagleflow's capture and shard writing on an already started engine (the code path of
-    `extract_shard` after the engine start); the engine is left as it was found."""
-    out = workdir / f"{shard.shard_id}.safetensors"
-    chunks = ShardChunks.plan(shard, "test", out, chunk_tokens)
-    shard_file = prepare_shard_file(chunks, plan, "bfloat16")
-    llm.collective_rpc("eagleflow_install", args=(plan.to_json(),))
-    try:
-        assert len(chunks.ranges) >= 3
-        run_chunks(llm, chunks, list(range(len(chunks.ranges))), plan, shard_file, Timings())
-        finish_shard(chunks, out)
-    finally:
-        llm.collective_rpc("eagleflow_uninstall")
-    with safe_open(str(out), framework="pt") as f:
-        assert f.metadata()["capture_strategy"] == plan.strategy.value
-        return f.get_tensor("hidden_states")
-
-
-def rel_err(a, b):
-    """Per-token relative L2 distance between two [T, n_layers, H] captures."""
-    a, b = a.float(), b.float()
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).flatten()
-
-
-def assert_same_states(a, b, what):
-    # Two runs of the bf16 engine agree on most rows, often bit for bit, but not all: last-bit
-    # differences in thread-parallel reductions can flip a near-tied MoE routing decision,
-    # which moves that token's later layers by up to ~20%. A misplaced row or a wrong layer
-    # is off by 50% or more on every row.
-    # Batch composition also varies with scheduling timing, which changes bf16 rounding.
-    rel = rel_err(a, b)
-    close = float((rel < 0.1).float().mean())
-    print(
-        f"{what}: median rel {float(rel.median()):.5f}, rows within 10%: {close:.3f}, max rel "
-        f"{float(rel.max()):.4f}"
-    )
-    assert a.shape == b.shape and float(rel.median()) < 0.02 and close > 0.9, what
+    return reference_corpus()
 
 
 def settings(target, tp=1):
@@ -118,54 +56,8 @@ def settings(target, tp=1):
     )
 
 
-def assert_matches_reference(model, states, shard, layer_ids):
-    stats = check_shard_against_reference(
-        model, states, shard.input_ids, shard.offsets, layer_ids, list(range(len(shard.sample_ids)))
-    )
-    for s in stats:
-        print(s)
-    assert all(s.ok for s in stats), [s for s in stats if not s.ok]
-    return stats
-
-
-@dataclass
-class Built:
-    """A tiny target with its mixed-length shard (tokenized by the target's own tokenizer)."""
-
-    path: Path
-    info: TargetInfo
-    shard: TokenShard
-
-
-def build(builder, corpus, directory) -> Built:
-    from transformers import AutoTokenizer
-
-    path = builder(corpus, directory)
-    return Built(path, read_target(path), mixed_shard(AutoTokenizer.from_pretrained(path)))
-
-
 def weights_sha256(path) -> str:
     return hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()
-
-
-class Engines:
-    """One engine alive at a time (memory), reused by every test asking for the same key."""
-
-    def __init__(self):
-        self.key, self.llm = None, None
-
-    def get(self, key, settings_, strategy_kwargs=None):
-        if self.key != key:
-            self.close()
-            kwargs = {"enable_prefix_caching": False} | (strategy_kwargs or {})
-            self.llm = build_engine(settings_, worker_extension=CAPTURE_WORKER, **kwargs)
-            self.key = key
-        return self.llm
-
-    def close(self):
-        llm, self.llm, self.key = self.llm, None, None
-        if llm is not None:
-            stop_engine(llm)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +81,7 @@ def deepseek_aux(deepseek, engines, tmp_path_factory):
         deepseek.shard,
         plan,
         tmp_path_factory.mktemp("aux"),
-    )
+    ).states
 
 
 @pytest.fixture(scope="module")
@@ -203,13 +95,15 @@ def test_deepseek_both_strategies_match_the_reference_and_each_other(
     info, shard, aux = deepseek.info, deepseek.shard, deepseek_aux
     ids = default_layer_ids(info.num_layers)
     llm = engines.get("deepseek", settings(deepseek.path))
-    patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "patched")
+    patched = capture(
+        llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "patched"
+    ).states
     # Repeated calls on the same engine give the same rows.
-    again = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "again")
+    again = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "again").states
     # id 0 (the embeddings) only the patched forward can capture.
     zero_plan = make_plan(info, [0, *ids], "auto")
     assert zero_plan.strategy == "patched_forward"
-    with_zero = capture(llm, shard, zero_plan, tmp_path / "zero")
+    with_zero = capture(llm, shard, zero_plan, tmp_path / "zero").states
     assert_same_states(patched, aux, "patched_forward vs aux_layers")
     assert_same_states(again, aux, "a repeated call on the same engine")
     model = load_reference_model(deepseek.path)
@@ -232,8 +126,8 @@ def test_deepseek_with_sharp_attention_matches_the_reference(deepseek, engines, 
     """The random target's attention is near uniform, which hides how keys and positions are used.
     Scaling every query projection by 24 makes attention sharp without training; transformers
     in bf16 stays within 0.01 of float32 on the layers checked, so the reference check tells a
-    wrong attention from rounding. Without eagleflow's fix of vLLM 0.32's CPU rotary kernel
-    (eagleflow.engine.vllm_fixes) layer 2 was off by a median 0.58; with it, 0.0097."""
+    wrong attention from rounding: a wrong rotary embedding, such as vLLM 0.32's CPU kernel
+    without eagleflow's fix (eagleflow.engine.vllm_fixes), fails it."""
     from safetensors.torch import load_file, save_file
 
     sharp = shutil.copytree(deepseek.path, tmp_path / "sharp")
@@ -245,7 +139,7 @@ def test_deepseek_with_sharp_attention_matches_the_reference(deepseek, engines, 
     plan = make_plan(deepseek.info, ids, "aux_layers")
     states = capture(
         engines.get("deepseek-sharp", settings(sharp)), deepseek.shard, plan, tmp_path / "out"
-    )
+    ).states
     assert_matches_reference(load_reference_model(sharp), states, deepseek.shard, ids)
 
 
@@ -261,7 +155,7 @@ def test_tp2_gives_the_same_states_as_tp1(deepseek, engines, tmp_path):
     states = {}
     for tp in (1, 2):
         llm = engines.get("deepseek" if tp == 1 else "deepseek-tp2", settings(deepseek.path, tp))
-        states[tp] = capture(llm, shard, plan, tmp_path / f"tp{tp}", chunk_tokens=100)
+        states[tp] = capture(llm, shard, plan, tmp_path / f"tp{tp}", chunk_tokens=100).states
     rel = rel_err(states[2], states[1])
     print(
         f"TP=2 vs TP=1: max abs diff "
@@ -290,8 +184,10 @@ def test_llama_4_scaling_is_applied_by_both_strategies(
     shard, unscaled = scaled.shard, deepseek_aux
     ids = default_layer_ids(info.num_layers)
     llm = engines.get("scaled", settings(scaled.path))
-    aux = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "s-aux")
-    patched = capture(llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "s-patched")
+    aux = capture(llm, shard, make_plan(info, ids, "aux_layers"), tmp_path / "s-aux").states
+    patched = capture(
+        llm, shard, make_plan(info, ids, "patched_forward"), tmp_path / "s-patched"
+    ).states
     assert_same_states(patched, aux, "patched_forward vs aux_layers with llama_4_scaling")
     # Positions below 32 are unscaled either way; beyond, the scaling changes the states.
     a, b = int(shard.offsets[1]), int(shard.offsets[2])  # the 480-token sample
@@ -314,7 +210,7 @@ def test_dense_llama_target_through_the_same_path(engines, corpus, tmp_path):
     assert plan.strategy == "aux_layers"
     states = capture(
         engines.get("llama", settings(llama.path)), llama.shard, plan, tmp_path / "out"
-    )
+    ).states
     assert_matches_reference(load_reference_model(llama.path), states, llama.shard, ids)
 
 
@@ -330,7 +226,7 @@ def qwen3_aux(qwen3, engines, tmp_path_factory):
         qwen3.shard,
         plan,
         tmp_path_factory.mktemp("qwen3-aux"),
-    )
+    ).states
 
 
 def test_dense_qwen3_target_through_the_same_path(qwen3, qwen3_aux, tmp_path_factory):
@@ -363,7 +259,7 @@ def test_extract_hidden_states_end_to_end_on_cpu(qwen3, qwen3_aux, engines, tmp_
         connector_module_path="support.cpu_hidden_states_connector",
     )
     llm = engines.get("qwen3-extract-hidden-states", settings(qwen3.path), kwargs)
-    states = capture(llm, qwen3.shard, plan, tmp_path / "out")
+    states = capture(llm, qwen3.shard, plan, tmp_path / "out").states
     assert not list((tmp_path / "connector").glob("*.safetensors*"))  # every request file converted
     # The same shard layout and the same states as the aux_layers strategy, and the reference.
     assert states.shape == qwen3_aux.shape and states.dtype == qwen3_aux.dtype

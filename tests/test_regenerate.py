@@ -1,23 +1,27 @@
-"""Response regeneration (eagleflow.data.regenerate): prompt-only and complete datasets, turn order,
+"""Response regeneration (eagleflow.regenerate): prompt-only and complete datasets, turn order,
 kept sample ids, bad rows; and once through real vLLM on the embedded target."""
 
 import json
 
 import pandas as pd
 import pytest
-from conftest import write_jsonl
 
 from eagleflow.data.conversations import DatasetError, read_conversations
 from eagleflow.data.heldout import heldout_prompts
-from eagleflow.data.regenerate import ShardFiles, regenerate_source_shard
-from eagleflow.data.shards import shard_dataset
-from eagleflow.data.sources import regeneration_identity, split_sources
+from eagleflow.data.shards import TokenShardOutputs, shard_dataset
+from eagleflow.regenerate.replies import Generator, vllm_generator
+from eagleflow.regenerate.shard import Regeneration, SourceShard, regenerate_source_shard
+from eagleflow.regenerate.sources import regeneration_identity, split_sources
+from support.datasets import rows_of, write_jsonl
+from support.regeneration import IDENTITY, shard_files
 
 
 def fake_generate(calls):
+    """Replies as a `Generator` gets them: (text, finish reason, generated tokens)."""
+
     def generate(prompts):
         calls.append([len(p) for p in prompts])
-        return [f"reply after {len(p)} tokens" for p in prompts]
+        return [(f"reply after {len(p)} tokens", "stop", 4) for p in prompts]
 
     return generate
 
@@ -41,39 +45,31 @@ def test_prompt_only_rows_are_read_and_held_out_like_complete_ones(tmp_path):
     assert prompts[0]["reference"] is None
 
 
-IDENTITY = regeneration_identity({"config.json": "a fake target"}, 8, 512, True)
-
-
 def regenerate_all(
-    data, tokenizer_dir, out, shard_rows=2, chunk_rows=1, generate=None, max_length=512, **kw
+    data,
+    tokenizer_dir,
+    out,
+    shard_rows=2,
+    chunk_rows=1,
+    generate=None,
+    max_length=512,
+    on_bad_row="error",
 ):
-    """Split `data` into source shards and regenerate each (as the workflow's jobs do)."""
+    """Split `data` into source shards and regenerate each (as the workflow's jobs do), with
+    the replies of `generate` (prompt id lists -> (text, finish reason, generated tokens))."""
     manifest = split_sources(data, IDENTITY, shard_rows)
     out.mkdir(parents=True, exist_ok=True)
+    settings = Regeneration(tokenizer_dir, max_length, 8, chunk_rows, on_bad_row)
     summaries = [
         regenerate_source_shard(
-            data,
-            manifest,
-            s["id"],
-            tokenizer_dir,
+            SourceShard(data, manifest, s["id"]),
             shard_files(out, s["id"]),
-            max_length=max_length,
-            max_new_tokens=8,
-            chunk_rows=chunk_rows,
-            generate=generate or fake_generate([]),
-            **kw,
+            settings,
+            lambda: Generator(generate or fake_generate([])),
         )
         for s in manifest["shards"]
     ]
     return manifest, summaries
-
-
-def shard_files(out, shard_id):
-    return ShardFiles(
-        out / f"{shard_id}.jsonl",
-        out / f"{shard_id}.rejects.jsonl",
-        out / f"{shard_id}.summary.json",
-    )
 
 
 def regenerated_rows(out, manifest):
@@ -166,10 +162,6 @@ def test_regeneration_bad_rows_and_long_prompts_are_named(tmp_path, tokenizer_di
     assert summary["rows_kept"] + summary["rows_rejected"] == summary["rows_read"] == 3
 
 
-def rows_of(n, start=0):
-    return [{"id": f"q{i}", "turns": [f"Question number {i}?"]} for i in range(start, start + n)]
-
-
 def test_source_shard_ids_follow_rows_target_and_settings(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(10))
     ids = [s["id"] for s in split_sources(data, IDENTITY, 4)["shards"]]
@@ -237,7 +229,7 @@ def test_a_killed_shard_resumes_after_its_committed_chunks(tmp_path, tokenizer_d
 def test_a_shard_whose_chunks_are_all_committed_needs_no_generator(
     tmp_path, tokenizer_dir, monkeypatch
 ):
-    import eagleflow.data.regenerate as regen
+    import eagleflow.regenerate.shard as regen
 
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(4))
     real_write = regen.write_atomically
@@ -286,9 +278,7 @@ def test_rows_kept_plus_rejected_equal_rows_read_through_sharding(tmp_path, toke
     summary = shard_dataset(
         [tmp_path / "o" / f"{i}.jsonl" for i in ids],
         tokenizer_dir,
-        tmp_path / "t",
-        tmp_path / "m.parquet",
-        tmp_path / "rej.jsonl",
+        TokenShardOutputs(tmp_path / "t", tmp_path / "m.parquet", tmp_path / "rej.jsonl"),
         shard_size=2,
         max_length=64,
         on_bad_row="skip",
@@ -333,16 +323,12 @@ def test_regeneration_through_vllm_is_greedy_and_stops_at_end_of_turn(tmp_path):
     manifest = split_sources(data, IDENTITY, 2)
     (sid,) = [s["id"] for s in manifest["shards"]]
     files = shard_files(tmp_path, sid)
+    settings = EngineSettings(str(target), max_model_len=128 + 12, max_num_seqs=4, mla=False)
     summary = regenerate_source_shard(
-        data,
-        manifest,
-        sid,
-        target,
+        SourceShard(data, manifest, sid),
         files,
-        max_length=128,
-        max_new_tokens=12,
-        chunk_rows=2,
-        engine=EngineSettings(str(target), max_model_len=128 + 12, max_num_seqs=4, mla=False),
+        Regeneration(target, max_length=128, max_new_tokens=12, chunk_rows=2),
+        lambda: vllm_generator(settings, 12),
     )
     rows = [json.loads(line) for line in files.rows.read_text().splitlines()]
     assert summary["replies"] == 3 and sum(summary["finish_reasons_now"].values()) == 3

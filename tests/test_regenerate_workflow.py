@@ -3,18 +3,16 @@ target: one job per source shard, SIGKILL and resume, an edited row, appended ro
 rerun. The measured figures are printed (pytest -s) for docs/measurements/regeneration.md."""
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 import pandas as pd
 import pytest
 
 from support.workflow_runner import (
+    SHORT_REGENERATION,
     copy_workdir,
+    run_and_kill,
     snakemake,
-    snakemake_command,
     started_jobs,
 )
 
@@ -28,14 +26,7 @@ REGEN = {
         "path": "my-data.jsonl",
         "bundled_conversations": 200,
         "shard_size": 100,
-        "regenerate": {
-            "enabled": True,
-            "mla": False,
-            "max_num_seqs": 64,
-            "max_new_tokens": 8,
-            "shard_rows": 100,
-            "chunk_rows": 20,
-        },
+        "regenerate": {**SHORT_REGENERATION, "shard_rows": 100, "chunk_rows": 20},
     }
 }
 
@@ -105,28 +96,6 @@ def test_a_noop_rerun_loads_no_model(regenerated_workdir):
     print(f"\nno-op rerun: {time.time() - t0:.1f} s")
 
 
-def run_and_kill(workdir, targets, when, timeout=300):
-    """Start Snakemake for `targets`; SIGKILL its whole process group once `when()` is true."""
-    cmd = snakemake_command(workdir, *targets, config=REGEN)
-    out = open(workdir / "killed-run.out", "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
-    deadline = time.time() + timeout
-    try:
-        while not when():
-            assert proc.poll() is None, (
-                "the job finished before the kill point:\n"
-                + (workdir / "killed-run.out").read_text()[-3000:]
-            )
-            assert time.time() < deadline, "kill point never reached"
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        out.close()
-    snakemake(workdir, "--unlock", config=REGEN)
-
-
 def test_sigkill_mid_shard_then_resume_gives_the_uninterrupted_shard(regenerated_workdir, tmp_path):
     reference = regenerated_workdir / "results" / "regenerated"
     work = copy_workdir(regenerated_workdir, tmp_path / "killed")
@@ -141,7 +110,9 @@ def test_sigkill_mid_shard_then_resume_gives_the_uninterrupted_shard(regenerated
         return sorted(partial.glob("chunk-*.json")) if partial.exists() else []
 
     t0 = time.time()
-    run_and_kill(work, [str(p.relative_to(work)) for p in outputs], lambda: len(chunks()) >= 2)
+    run_and_kill(
+        work, [str(p.relative_to(work)) for p in outputs], REGEN, lambda: len(chunks()) >= 2
+    )
     killed_after = time.time() - t0
     kept = {p.name: p.read_bytes() for p in chunks()}
     assert 2 <= len(kept) < 5 and not outputs[0].exists()

@@ -7,6 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from eagleflow.extract import resources as jr
+from eagleflow.extract.rates import Measured, extraction_timings, measure, regeneration_timings
 
 CPU = {"device": "cpu", "tensor_parallel_size": 1, "cpu_kvcache_space_gib": 1}
 CUDA = {"device": "cuda", "tensor_parallel_size": 8, "cpu_kvcache_space_gib": 1}
@@ -50,20 +51,35 @@ def test_shard_tokens_from_the_header(tmp_path):
     assert jr.shard_tokens(p) == 100
 
 
+def extraction_record(tokens, tokens_per_second, engine_start, loaded):
+    return {
+        "tokens_extracted_now": tokens,
+        "tokens_per_second": tokens_per_second,
+        "model_loaded": loaded,
+        "seconds": {"engine_start": engine_start},
+    }
+
+
 def test_measured_rates_from_finished_shards(tmp_path):
-    assert jr.measured_rates(tmp_path / "missing") == (None, None)
-    recs = [(100.0, 30.0, True), (300.0, 20.0, True), (200.0, 25.0, True), (None, None, False)]
-    for i, (tps, start, loaded) in enumerate(recs):
-        rec = {
-            "tokens_extracted_now": 10 if tps else 0,
-            "tokens_per_second": tps,
-            "model_loaded": loaded,
-            "seconds": {"engine_start": start} if start else {},
-        }
+    assert measure(extraction_timings(tmp_path / "missing")) == Measured(None, None, None)
+    records = [
+        extraction_record(1000, 100.0, 30.0, True),  # 10 s
+        extraction_record(100, 400.0, 45.0, False),  # a tail shard, 0.25 s; connected only
+        extraction_record(2000, 200.0, 20.0, True),  # 10 s
+        extraction_record(0, None, 0.0, False),  # resumed with every chunk committed
+    ]
+    for i, rec in enumerate(records):
         (tmp_path / f"{i:020x}.json").write_text(json.dumps(rec))
-    (tmp_path / "fingerprint.json").write_text("{}")
+    (tmp_path / "fingerprint.json").write_text(json.dumps(extraction_record(9, 1.0, 99, True)))
     (tmp_path / f"{0:020x}.verify.json").write_text("{}")
-    assert jr.measured_rates(tmp_path) == (pytest.approx(200.0), pytest.approx(30.0))
+    measured = measure(extraction_timings(tmp_path))
+    # tokens over seconds (3100 / 20.25), not the median (200) or mean (233) of the rates
+    assert measured.tokens_per_second == pytest.approx(3100 / 20.25)
+    # the longest load of the jobs that loaded; two of the three jobs that worked loaded
+    assert measured.load_seconds == 30.0 and measured.loads_per_job == pytest.approx(2 / 3)
+    # 3100 more tokens in 3 more jobs: 20.25 s, plus two loads of 30 s
+    assert measured.seconds(3100, 3) == pytest.approx(20.25 + 60.0)
+    assert Measured(None, 30.0, 1.0).seconds(3100, 3) is None
 
 
 def test_pipeline_and_multi_node_jobs_ask_for_every_worker_s_gpu():
@@ -85,20 +101,50 @@ def test_pipeline_and_multi_node_jobs_ask_for_every_worker_s_gpu():
 def test_regeneration_rates_come_from_finished_shards_and_the_load_from_those_that_loaded(
     tmp_path,
 ):
-    assert jr.measured_regeneration(tmp_path) == (None, None)
+    assert measure(regeneration_timings(tmp_path)) == Measured(None, None, None)
     for name, rec in {
-        "a": {"model_loaded": True, "tokens_per_second": 100.0, "engine_start_s": 30.0},
-        "b": {"model_loaded": True, "tokens_per_second": 300.0, "engine_start_s": 50.0},
+        "a": {"model_loaded": True, "generated_tokens_now": 1000, "tokens_per_second": 100.0},
+        "b": {"model_loaded": True, "generated_tokens_now": 3000, "tokens_per_second": 300.0},
         "c": {"model_loaded": False, "engine_start_s": 0.0},  # resumed: all chunks committed
     }.items():
+        rec.setdefault("engine_start_s", {"a": 30.0, "b": 50.0}.get(name))
         (tmp_path / f"{name}.summary.json").write_text(json.dumps(rec))
-    assert jr.measured_regeneration(tmp_path) == (200.0, 50.0)
+    assert measure(regeneration_timings(tmp_path)) == Measured(200.0, 50.0, 1.0)
     # A job served by another job's engine server (engine reuse): its decode rate counts, its
     # engine start (a connection, not a load) does not.
-    reused = {"model_loaded": False, "tokens_per_second": 400.0, "engine_start_s": 1.0}
+    reused = {
+        "model_loaded": False,
+        "generated_tokens_now": 4000,
+        "tokens_per_second": 400.0,
+        "engine_start_s": 60.0,
+    }
     (tmp_path / "d.summary.json").write_text(json.dumps(reused))
-    assert jr.measured_regeneration(tmp_path) == (300.0, 50.0)
-    # the time limit grows with the prompts and the attempt
-    one = jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=1)
-    assert jr.extract_runtime_minutes(1000 * 64, 200.0, 50 / 60, attempt=2) == 2 * one
-    assert jr.extract_runtime_minutes(4000 * 64, 200.0, 50 / 60) > one
+    assert measure(regeneration_timings(tmp_path)) == Measured(8000 / 30, 50.0, 2 / 3)
+
+
+EXT = {"model_load_minutes": 20, "shards_per_allocation": 4, "engine_reuse": True}
+
+
+def test_job_runtimes_use_the_measured_rates_else_the_config():
+    unmeasured = Measured(None, None, None)
+    assert jr.job_runtime_minutes(
+        {**EXT, "shards_per_allocation": 1}, 1_000_000, unmeasured, 2280, 4.5
+    ) == jr.extract_runtime_minutes(1_000_000, 2280, 20, 4.5)
+    measured = Measured(1000.0, 600.0, 1.0)
+    assert jr.job_runtime_minutes(
+        {**EXT, "shards_per_allocation": 1}, 1_000_000, measured, 2280, attempt=2
+    ) == jr.extract_runtime_minutes(1_000_000, 1000.0, 10, attempt=2)
+
+
+def test_jobs_sharing_one_engine_carry_a_share_of_the_load():
+    assert jr.jobs_per_engine(EXT) == 4
+    assert jr.jobs_per_engine({**EXT, "engine_reuse": False}) == 1
+    assert jr.jobs_per_engine({**EXT, "shards_per_allocation": 1}) == 1
+    measured = Measured(1000.0, 1200.0, 0.25)  # a 20-minute load
+    shared = jr.job_runtime_minutes(EXT, 60_000, measured, 2280)
+    assert shared == jr.extract_runtime_minutes(60_000, 1000.0, 5)
+    alone = jr.job_runtime_minutes({**EXT, "engine_reuse": False}, 60_000, measured, 2280)
+    assert alone == jr.extract_runtime_minutes(60_000, 1000.0, 20) > shared
+    # the time limit grows with the tokens and the attempt
+    assert jr.job_runtime_minutes(EXT, 60_000, measured, 2280, attempt=2) == 2 * shared
+    assert jr.job_runtime_minutes(EXT, 240_000, measured, 2280) > shared

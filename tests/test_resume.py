@@ -3,9 +3,6 @@ committed chunk, keeps every committed row byte for byte, and the shard ends equ
 uninterrupted extraction (tokens exactly; states up to the engine's run-to-run noise)."""
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 import pytest
@@ -21,8 +18,8 @@ from support.workflow_runner import (
     SMALL,
     copy_workdir,
     hidden_dir,
+    run_and_kill,
     snakemake,
-    snakemake_command,
 )
 
 pytestmark = pytest.mark.vllm
@@ -51,27 +48,18 @@ def forget_shard(workdir, shard_id):
         (hidden_dir(workdir) / f"{shard_id}{suffix}").unlink(missing_ok=True)
 
 
-def run_and_kill(workdir, shard_id, when, timeout=300):
-    """Start the extract job for one shard through Snakemake; SIGKILL its whole process group
-    (Snakemake, the job, vLLM's engine and workers) once `when(partial_dir)` is true."""
-    cmd = snakemake_command(workdir, *shard_targets(workdir, shard_id), config=CHUNKED)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+def kill_shard_job(workdir, shard_id, when):
+    """Run the extract job for one shard through Snakemake and SIGKILL it all (Snakemake too, as
+    on a crashed node: the rerun follows a `--unlock`) once `when(partial_dir)` is true; polled
+    often, since a chunk is committed every forward or so."""
     partial = hidden_dir(workdir) / ".partial" / shard_id
-    deadline = time.time() + timeout
-    try:
-        while not when(partial):
-            assert proc.poll() is None, "the job finished before the kill point"
-            assert time.time() < deadline, "kill point never reached"
-            time.sleep(0.02)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    # Snakemake itself was killed too (as on a crashed node): its directory lock stays, and
-    # `--unlock` is what a user runs before going on.
-    snakemake(workdir, "--unlock", config=CHUNKED)
+    run_and_kill(
+        workdir,
+        shard_targets(workdir, shard_id),
+        CHUNKED,
+        lambda: when(partial),
+        poll_s=0.02,
+    )
 
 
 def chunks(partial):
@@ -103,7 +91,7 @@ def test_sigkill_at_any_point_then_resume_gives_the_uninterrupted_result(
     committed = [0]
     for name, when in kill_points:
         started = time.time()
-        run_and_kill(work, shard_id, lambda p: when(p, committed[-1]))
+        kill_shard_job(work, shard_id, lambda p: when(p, committed[-1]))
         # Nothing a later run could take for a finished shard: no file, or one that fails the check.
         out = d / f"{shard_id}.safetensors"
         record = d / f"{shard_id}.json"
@@ -158,7 +146,7 @@ def test_a_job_whose_chunks_are_all_committed_never_loads_the_model(extracted_wo
     total = len(chunk_ranges(tokens.offsets, CHUNKED["extract"]["chunk_tokens"]))
     # Kill once the last chunk is committed (the job is then shutting the engine down, about
     # two seconds, before finishing): the rerun only verifies and finishes.
-    run_and_kill(work, shard_id, lambda p: len(chunks(p)) == total)
+    kill_shard_job(work, shard_id, lambda p: len(chunks(p)) == total)
     snakemake(work, *shard_targets(work, shard_id), config=CHUNKED)
     record = json.loads((d / f"{shard_id}.json").read_text())
     assert record["model_loaded"] is False and record["tokens_extracted_now"] == 0

@@ -1,12 +1,18 @@
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import write_jsonl
 
 from eagleflow.data.conversations import Conversation
-from eagleflow.data.shards import build_shards, read_token_shard, shard_dataset, write_token_shard
+from eagleflow.data.shards import (
+    TokenShardOutputs,
+    build_shards,
+    read_token_shard,
+    shard_dataset,
+    write_token_shard,
+)
 from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
 from eagleflow.embedded.bundled_data import generate_conversations
+from support.datasets import write_jsonl
 
 
 def convs(n, seed=0):
@@ -69,18 +75,14 @@ def test_shard_dataset_manifest_and_bad_rows(tokenizer_dir, tmp_path):
         shard_dataset(
             data,
             tokenizer_dir,
-            tmp_path / "t",
-            tmp_path / "m.parquet",
-            tmp_path / "rej.jsonl",
+            TokenShardOutputs(tmp_path / "t", tmp_path / "m.parquet", tmp_path / "rej.jsonl"),
             on_bad_row="error",
             **kw,
         )
     summary = shard_dataset(
         data,
         tokenizer_dir,
-        tmp_path / "t",
-        tmp_path / "m.parquet",
-        tmp_path / "rej.jsonl",
+        TokenShardOutputs(tmp_path / "t", tmp_path / "m.parquet", tmp_path / "rej.jsonl"),
         on_bad_row="skip",
         **kw,
     )
@@ -118,9 +120,7 @@ def test_truncation_that_drops_every_assistant_token_is_a_bad_row(tokenizer_dir,
         shard_dataset(
             data,
             tokenizer_dir,
-            tmp_path / "t",
-            tmp_path / "m.parquet",
-            tmp_path / "r.jsonl",
+            TokenShardOutputs(tmp_path / "t", tmp_path / "m.parquet", tmp_path / "r.jsonl"),
             shard_size=4,
             max_length=16,
             on_bad_row="error",

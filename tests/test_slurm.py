@@ -5,7 +5,7 @@ failed, and a final rerun submits nothing. CPU regeneration and extraction run i
 were given (fake) GPUs.
 
 Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
-tests fail. About 10 minutes on 2 cores."""
+tests fail. Marked `slurm` and left out of a quick run: the whole default runs as jobs."""
 
 import json
 import os
@@ -17,7 +17,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from support.workflow_runner import REPO, SMALL, SNAKEMAKE, merged, write_config
+from support.workflow_runner import (
+    REPO,
+    SHORT_REGENERATION,
+    SMALL,
+    SNAKEMAKE,
+    merged,
+    write_config,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -34,10 +41,7 @@ CONFIG = merged(
             "bundled_conversations": 100 * N_SHARDS,
             # one regenerate_shard job per source shard of 100 rows, short replies
             "regenerate": {
-                "enabled": True,
-                "mla": False,
-                "max_num_seqs": 64,
-                "max_new_tokens": 8,
+                **SHORT_REGENERATION,
                 "shard_rows": 100,
                 "chunk_rows": 50,
                 "tokens_per_second": 20,

@@ -8,73 +8,18 @@ import yaml
 from snakemake.utils import validate
 from snakemake.utils import validate as validate_schema
 
-from eagleflow.target.info import TargetError, bytes_per_weight, count_parameters, read_target
+from eagleflow.target.head import read_target_config
+from eagleflow.target.info import (
+    TargetError,
+    bytes_per_weight,
+    count_parameters,
+    read_target,
+    unwrap_text_config,
+)
 from eagleflow.target.layers import resolve_layer_ids
+from support.target_configs import DEEPSEEK_V3, KIMI_K2, KIMI_K25, fake_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-
-DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    kv_lora_rank=512,
-    q_lora_rank=1536,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    first_k_dense_replace=3,
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    quantization_config={"quant_method": "fp8"},
-)
-KIMI_K2 = {
-    **DEEPSEEK_V3,
-    "vocab_size": 163840,
-    "num_attention_heads": 64,
-    "n_routed_experts": 384,
-    "first_k_dense_replace": 1,
-    "quantization_config": None,
-}
-KIMI_K25 = {
-    "architectures": ["KimiK25ForConditionalGeneration"],
-    "model_type": "kimi_k25",
-    "vision_config": {"hidden_size": 1152},
-    "text_config": {
-        **{k: v for k, v in KIMI_K2.items() if k != "architectures"},
-        "model_type": "kimi_k2",
-        # As published: int4 routed experts (groups of 32, one bf16 scale each, symmetric);
-        # the head, attention, shared experts and the dense first layer's MLP stay bf16.
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "group_size": 32,
-                        "strategy": "group",
-                        "symmetric": True,
-                        "type": "int",
-                    },
-                }
-            },
-            "ignore": [
-                "lm_head",
-                "re:.*self_attn.*",
-                "re:.*shared_experts.*",
-                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-            ],
-        },
-    },
-}
 
 
 def target(tmp_path, cfg):
@@ -117,6 +62,27 @@ def test_kimi_k25_weight_estimate_matches_the_published_checkpoint(tmp_path):
     assert weight_bytes(target(tmp_path, unquantized_rules)) / 1e9 == pytest.approx(578.3, rel=2e-3)
 
 
+@pytest.mark.parametrize(
+    "cfg, wrapper",
+    [
+        (KIMI_K25, "KimiK25ForConditionalGeneration"),
+        # A wrapper's own top-level sizes (its vision side's) are not the text model's.
+        ({**KIMI_K25, "hidden_size": 1152}, "KimiK25ForConditionalGeneration"),
+        (DEEPSEEK_V3, None),
+        # A supported text model is its own text config, whatever else it carries.
+        ({**DEEPSEEK_V3, "text_config": {"hidden_size": 1}}, None),
+    ],
+)
+def test_target_config_is_unwrapped_by_one_rule(tmp_path, cfg, wrapper):
+    """read_target (the text model's facts) and read_target_config (the draft's config source)
+    take the same text config from a wrapper and from a plain config."""
+    text = cfg["text_config"] if wrapper else cfg
+    assert unwrap_text_config(cfg) == (wrapper, text)
+    info = target(tmp_path, cfg)
+    assert (info.wrapper, info.text_config, info.hidden_size) == (wrapper, text, 7168)
+    assert read_target_config(tmp_path) == text
+
+
 def test_missing_or_broken_config_is_named(tmp_path):
     with pytest.raises(TargetError, match="config.json: not found; set `target.path`"):
         read_target(tmp_path)
@@ -155,21 +121,14 @@ def test_kimi_k25_validates_before_any_load(tmp_path, tokenizer_dir):
     """validate_env on Kimi-K2.5's real config (text model under the wrapper's text_config): the
     text model, its layer ids and int4 weight size are found; on this CPU machine the 8-GPU
     example fails the device check, and with devices deferred (a login node) it passes."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
     from eagleflow.extract.preflight import validate
 
-    d = tmp_path / "Kimi-K2.5"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(KIMI_K25))
-    for p in Path(tokenizer_dir).iterdir():
-        shutil.copy(p, d / p.name)
-    save_file(
-        {"language_model.model.norm.weight": torch.ones(7168, dtype=torch.bfloat16)},
-        str(d / "model-00001-of-000064.safetensors"),
+    d = fake_checkpoint(
+        tmp_path / "Kimi-K2.5",
+        KIMI_K25,
+        tokenizer_dir,
+        "language_model.model.norm.weight",
+        "model-00001-of-000064.safetensors",
     )
     cfg = yaml.safe_load((REPO / "config/examples/kimi-k2.5-tp8.yaml").read_text())
     validate_schema(

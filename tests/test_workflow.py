@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import pandas as pd
@@ -51,14 +52,20 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
         .read_text()
         .splitlines()
     )
-    # The job's last line is its summary; only Python's resource tracker may speak after it, at
-    # exit.
-    (last,) = [
-        i
-        for i, line in enumerate(lines)
-        if line.startswith(f"shard {shard_id}:") and "tok/s" in line
-    ]
-    assert "tok/s" in lines[last]
+    # The job's last line is its summary, the record's figures with a measured rate; only
+    # Python's resource tracker may speak after it, at exit.
+    summary_line = re.compile(
+        rf"shard {re.escape(shard_id)}: (\d+) tokens, ([\d.]+) tok/s, (\d+) bytes, "
+    )
+    (last,) = [i for i, line in enumerate(lines) if summary_line.match(line)]
+    n_tokens, rate, size = summary_line.match(lines[last]).groups()
+    record = json.loads((fp_dir / f"{shard_id}.json").read_text())
+    assert (int(n_tokens), float(rate), int(size)) == (
+        record["n_tokens"],
+        record["tokens_per_second"],
+        record["bytes"],
+    )
+    assert float(rate) > 0 and int(size) == (fp_dir / f"{shard_id}.safetensors").stat().st_size
     assert all("resource_tracker" in line or "warnings.warn" in line for line in lines[last + 1 :])
     # No temporary or partial files are left behind.
     assert not list(fp_dir.glob("*.tmp")) and not any((fp_dir / ".partial").glob("*/chunk-*"))

@@ -1,22 +1,18 @@
 """A generate engine server without vLLM, for tests of the client/server plumbing
-(tests/test_engine_client.py): eagleflow.extract.server's own `serve` around a fake
-engine whose replies are a function of the prompt. Started the way a job starts the real one
-(`python -m support.fake_engine_server SPEC`, by `EngineClient` with this `server_module`)."""
+(tests/test_engine_client.py): eagleflow.serve.server's own `serve` around a fake engine
+whose replies are a function of the prompt. Started the way a job starts the real one
+(`python -m support.fake_engine_server SPEC`, by an `EngineClient` given this `server_module`)."""
 
-import json
 import os
-import sys
-from pathlib import Path
 
-from eagleflow.extract.client import ServerSpec
-from eagleflow.extract.server import serve
+from eagleflow.serve.server import serve, spec_from_command_line
 
 FAIL = 100_001  # a prompt holding this id makes the engine raise
 DIE = 100_002  # ... makes the server process die in the middle of the request
 
 
 def reply(prompt, max_new_tokens: int) -> tuple[str, str, int]:
-    """(text, finish reason, generated tokens), as eagleflow.data.regenerate.generate_replies."""
+    """(text, finish reason, generated tokens), as eagleflow.regenerate.replies.generate_replies."""
     n = min(max_new_tokens, len(prompt) % 7 + 1)
     return (f"reply to {len(prompt)} tokens", "length" if n == max_new_tokens else "stop", n)
 
@@ -38,5 +34,4 @@ class FakeEngine:
 
 
 if __name__ == "__main__":
-    spec = ServerSpec.from_json(json.loads(Path(sys.argv[1]).read_text()))
-    serve(spec, build=lambda spec: FakeEngine())
+    serve(spec_from_command_line(), lambda spec: FakeEngine())

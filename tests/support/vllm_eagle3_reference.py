@@ -1,6 +1,6 @@
 """Run vLLM 0.32's own EAGLE-3 draft (`Eagle3LlamaForCausalLM`) on an exported draft directory.
 
-    python tests/vllm_eagle3_reference.py <inputs.pt> <out.pt> <export dir>...
+    python tests/support/vllm_eagle3_reference.py <inputs.pt> <out.pt> <export dir>...
 
 Builds the module exactly as vLLM does: config through `SpeculatorsConfig` (config.json),
 weights through `Eagle3LlamaForCausalLM.load_weights` (model.safetensors: name mapping,

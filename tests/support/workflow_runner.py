@@ -1,9 +1,13 @@
-"""Run the real workflow (real Snakemake, real vLLM) in a scratch directory."""
+"""Run the real workflow (real Snakemake, real vLLM) in a scratch directory: to its end, or
+until a test kills it."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -21,6 +25,12 @@ EXTRACTION_BASE = {
     "target": {"path": "resources/targets/tiny-deepseek-v3"},
     "data": {"regenerate": {"enabled": False}},
 }
+
+
+# data.regenerate for the tests that regenerate: switched on, short replies (the untrained
+# target loops until max_new_tokens), the CPU's fast plain-attention path, and a whole chunk
+# (at most 64 rows) decoded together; each test sets its own shard and chunk sizes.
+SHORT_REGENERATION = {"enabled": True, "mla": False, "max_num_seqs": 64, "max_new_tokens": 8}
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -65,6 +75,50 @@ def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=N
             f"{' '.join(cmd)} failed "
             f"({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
         )
+    return proc
+
+
+def run_and_kill(
+    workdir: Path,
+    targets: list[str],
+    config: dict,
+    when: Callable[[], bool],
+    *,
+    kill: Callable[[subprocess.Popen], None] | None = None,
+    poll_s: float = 0.1,
+    timeout: float = 300,
+    log: str | None = "killed-run.out",
+    unlock: bool = True,
+) -> subprocess.Popen:
+    """Start Snakemake for `targets` in a session of its own, check `when()` every `poll_s`
+    seconds, and once it holds `kill(proc)`; by default (and for whatever `kill` leaves running)
+    SIGKILL the whole process group: Snakemake, its jobs, vLLM's engine and workers, as on a
+    crashed node. Fails if the run ends first, or `timeout` seconds pass.
+
+    The run's output goes to `workdir / log` (None: nowhere) and its tail into that failure.
+    `unlock`: run `--unlock` after, as a user does, since a killed Snakemake leaves its lock.
+    Returns the ended process."""
+    cmd = snakemake_command(workdir, *targets, config=config)
+    out = open(Path(workdir) / log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while not when():
+            if proc.poll() is not None:
+                tail = (Path(workdir) / log).read_text()[-3000:] if log else ""
+                raise AssertionError(f"the run ended before the kill point:\n{tail}")
+            assert time.time() < deadline, "kill point never reached"
+            time.sleep(poll_s)
+        if kill is not None:
+            kill(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if log:
+            out.close()
+    if unlock:
+        snakemake(workdir, "--unlock", config=config)
     return proc
 
 

@@ -1,3 +1,5 @@
+# The config, paths, parse-time checks and input functions of every rule (functions only, as
+# `snakemake --lint` asks); resources.smk holds the resource functions, the Snakefile the targets.
 import json
 import os
 import sys
@@ -22,14 +24,13 @@ from eagleflow.store.integrity import (
 )
 from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.target.layers import resolve_layer_ids
-from eagleflow.target.info import TOKENIZER_FILES, read_target
+from eagleflow.target.checks import check_target_code, check_target_path
+from eagleflow.target.info import TOKENIZER_FILES, TargetError, read_target
 from eagleflow.embedded.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
 from eagleflow.embedded.tiny_kimi import (
     TINY_KIMI_FILES,
     TOKENIZER_FILES as KIMI_TOKENIZER_FILES,
 )
-from eagleflow.target.info import TargetError
-from eagleflow.target.load import check_remote_code
 
 validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 
@@ -58,42 +59,25 @@ HIDDEN = f"{R}/hidden/{{fp}}"
 CONDA_ENV = "../../envs/vllm-cuda.yaml"
 
 
-def check_target_path(path):
-    """A target the workflow does not build must exist before the DAG is: one sentence, not an
-    input function's traceback."""
-    if path in EMBEDDED_TARGETS:
-        return
-    where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-    if not os.path.isdir(path):
-        problem = "does not exist" if not os.path.exists(path) else "is not a directory"
-    elif not os.path.isfile(os.path.join(path, "config.json")):
-        problem = "has no config.json"
-    else:
-        return
-    raise WorkflowError(
-        f"target.path: {path}{where} {problem}; set `target.path` in the config file to a local "
-        "Hugging Face model directory (config.json, tokenizer files and safetensors weights)."
+# Response regeneration (regenerate.smk): its source shards, regenerated, are the dataset
+# the shard rule reads.
+REGENERATE = config["data"]["regenerate"]
+SOURCES_MANIFEST = f"{R}/regenerated/sources.json"
+# The capture settings as a param of validate_env and patch. storage_dtype is left out: it is
+# in the fingerprint (the output's path), so its default must not re-run the plans of
+# extractions made before it existed.
+CAPTURE_PARAMS = {k: v for k, v in config["capture"].items() if k != "storage_dtype"}
+
+# A target that is missing, or ships code it may not run, is one sentence before the DAG is.
+try:
+    check_target_path(TARGET, built=EMBEDDED_TARGETS)
+    check_target_code(
+        TARGET,
+        config["target"]["trust_remote_code"],
+        built_with_code=[TINY_KIMI_TARGET],
     )
-
-
-check_target_path(TARGET)
-
-
-def check_target_code(path, trust):
-    """A target that ships code (Kimi's tokenizer) is refused, in one sentence naming
-    `target.trust_remote_code`, before anything loads it."""
-    if path == TINY_KIMI_TARGET and not trust:
-        raise WorkflowError(
-            f"{path} ships its tokenizer as code; set `target.trust_remote_code: true` to allow it"
-        )
-    if os.path.isdir(path):
-        try:
-            check_remote_code(path, trust)
-        except TargetError as e:
-            raise WorkflowError(str(e))
-
-
-check_target_code(TARGET, config["target"]["trust_remote_code"])
+except TargetError as e:
+    raise WorkflowError(str(e))
 
 
 wildcard_constraints:
@@ -102,10 +86,18 @@ wildcard_constraints:
 
 
 def tokenizer_files(wildcards=None):
-    """The target's tokenizer and chat template files (the embedded target's are built here)."""
-    if TARGET in (TINY_TARGET, TINY_KIMI_TARGET):
+    """The target's tokenizer and chat template files; the embedded targets' are built here."""
+    if TARGET in EMBEDDED_TARGETS:
         return [f"{TARGET}/{name}" for name in EMBEDDED_TOKENIZER_FILES[TARGET]]
     return [str(p) for p in sorted(Path(TARGET).iterdir()) if p.name in TOKENIZER_FILES]
+
+
+def target_files(wildcards=None):
+    """What a job that loads the target needs: config, tokenizer (and, for the embedded
+    targets, which the workflow builds, the weights)."""
+    if TARGET in EMBEDDED_TARGETS:
+        return [f"{TARGET}/{name}" for name in EMBEDDED_FILES[TARGET]]
+    return [f"{TARGET}/config.json", *tokenizer_files()]
 
 
 @cache
@@ -166,10 +158,6 @@ def hidden_dir(wildcards=None):
     return HIDDEN.format(fp=fingerprint()[0])
 
 
-def extraction_summary(wildcards):
-    return f"{hidden_dir()}/verify_summary.tsv"
-
-
 def fingerprint_record(fp):
     current, record = fingerprint()
     if fp != current:
@@ -197,3 +185,73 @@ def current_shard_files(suffix):
         return shard_files(fingerprint()[0], suffix)
 
     return files
+
+
+# Regeneration (regenerate.smk) and what sharding reads (shard.smk).
+def source_shards():
+    """The source shards of data.path in dataset order, once split_sources has run."""
+    with open(checkpoints.split_sources.get().output.manifest) as f:
+        return json.load(f)["shards"]
+
+
+def regenerated_files(suffix):
+    """Input function: results/regenerated/<source shard><suffix>, in dataset order."""
+
+    def files(wildcards):
+        return [f"{R}/regenerated/{s['id']}{suffix}" for s in source_shards()]
+
+    return files
+
+
+def shard_data(wildcards):
+    """What sharding reads: the regenerated source shards in dataset order, or data.path as
+    it is."""
+    if REGENERATE["enabled"]:
+        return regenerated_files(".jsonl")(wildcards)
+    return [config["data"]["path"]]
+
+
+def shard_regeneration_rejects(wildcards):
+    return (
+        regenerated_files(".rejects.jsonl")(wildcards) if REGENERATE["enabled"] else []
+    )
+
+
+# The targets (Snakefile).
+def extraction_summary(wildcards):
+    return f"{hidden_dir()}/verify_summary.tsv"
+
+
+def evaluation_outputs(wildcards):
+    """The current configuration's draft vocabulary and acceptance report, for `all`; the
+    draft trained on, exported from and evaluated against extraction {fp}."""
+    fp = os.path.basename(hidden_dir())
+    return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]
+
+
+def regeneration_done():
+    return all(os.path.exists(f) for f in regenerated_files(".jsonl")(None))
+
+
+def progress_inputs(wildcards):
+    """The progress report waits for nothing but the split into source shards while
+    regeneration is on and unfinished; then for sharding and the fingerprint."""
+    inputs = {}
+    if REGENERATE["enabled"]:
+        inputs["sources"] = checkpoints.split_sources.get().output.manifest
+        if not regeneration_done():
+            return inputs
+    inputs["manifest"] = shard_manifest()
+    inputs["fingerprint"] = f"{hidden_dir()}/fingerprint.json"
+    return inputs
+
+
+def progress_extraction(wildcards):
+    """What the extraction report needs, once sharding can be done; None before."""
+    if REGENERATE["enabled"] and not regeneration_done():
+        return None
+    return {
+        "hidden_dir": hidden_dir(),
+        "layer_ids": layer_ids(),
+        "hidden_size": read_target(TARGET).hidden_size,
+    }

@@ -23,6 +23,9 @@ rule fingerprint:
 
 
 rule patch:
+    # Writes the capture plan (capture_plan.json): the strategy and every vLLM method and
+    # signature the capture patches rely on, checked. Named after its stage in the workflow's
+    # specification.
     input:
         ancient(f"{HIDDEN}/fingerprint.json"),
         # ancient: a re-validation (new settings) must not re-run patch (see extract.smk).
@@ -40,8 +43,6 @@ rule patch:
         runtime=lambda wildcards, attempt: 15 * attempt,
     params:
         target=TARGET,
-        # storage_dtype is in the fingerprint (the output's path): not a param, so that its
-        # default does not re-run the plans of extractions made before it existed.
-        capture={k: v for k, v in config["capture"].items() if k != "storage_dtype"},
+        capture=CAPTURE_PARAMS,
     script:
         "../scripts/patch.py"

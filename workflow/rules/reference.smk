@@ -1,9 +1,10 @@
 # The check against an independent reference: a sample of finished shards compared with a
 # transformers forward of the same weights (float32), per layer. Users run it on real shards
-# on their own hardware: `snakemake --cores all reference_check`.
+# on their own hardware: `snakemake --cores all reference_check` (the target, in the Snakefile, asks
+# for the current configuration's table).
 
 
-rule reference_compare:
+rule reference_check_shards:
     input:
         shards=lambda wc: per_shard(".safetensors")(wc)[: config["reference"]["shards"]],
     output:
@@ -24,8 +25,3 @@ rule reference_compare:
         device=config["reference"]["device"],
     script:
         "../scripts/reference_check.py"
-
-
-rule reference_check:
-    input:
-        lambda wc: f"{hidden_dir()}/reference_check.tsv",

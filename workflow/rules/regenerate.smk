@@ -1,15 +1,14 @@
 # Response regeneration, per source shard: the dataset's assistant turns replaced by the
 # target's own greedy replies through vLLM (prompt-only datasets completed the same way).
-# split_sources cuts data.path into content-addressed source shards (eagleflow.data.sources);
-# one regenerate_shard job per shard commits its replies in chunks and resumes after a kill
-# (eagleflow.data.regenerate); with extract.engine_reuse the jobs share one loaded engine
-# (docs/engine-reuse.md#regeneration). The shard rule reads the regenerated shards in dataset
-# order.
+# split_sources cuts data.path into content-addressed source shards
+# (eagleflow.regenerate.sources); one regenerate_shard job per shard commits its replies in
+# chunks and resumes after a kill (eagleflow.regenerate.shard); with extract.engine_reuse the
+# jobs share one loaded engine (docs/engine-reuse.md#regeneration). The shard rule reads the
+# regenerated shards in dataset order; the `regenerate` target (Snakefile) asks for them all.
 
 
 localrules:
     split_sources,
-    regenerate,
 
 
 checkpoint split_sources:
@@ -70,9 +69,3 @@ rule regenerate_shard:
         runtime=regenerate_runtime,
     script:
         "../scripts/regenerate.py"
-
-
-rule regenerate:
-    # Target: every source shard regenerated (no sharding, no extraction).
-    input:
-        regenerated_files(".jsonl"),

@@ -1,6 +1,8 @@
 # Cluster resources, read by snakemake-executor-plugin-slurm (docs/slurm.md);
-# on one machine only `threads` matters. The logic is in eagleflow.extract.resources.
+# on one machine only `threads` matters. The logic is in eagleflow.extract.resources, the
+# measured rates in eagleflow.extract.rates (as `snakemake progress` reads them).
 import eagleflow.extract.resources as jobres
+from eagleflow.extract.rates import extraction_timings, measure, regeneration_timings
 
 EXTRACT = config["extract"]
 
@@ -14,8 +16,14 @@ def target_weight_bytes():
 
 @cache
 def measured_rates(fp):
-    """Throughput and load time measured by this extraction's finished shards (read once)."""
-    return jobres.measured_rates(HIDDEN.format(fp=fp))
+    """Throughput and model load measured by this extraction's finished shards (read once)."""
+    return measure(extraction_timings(HIDDEN.format(fp=fp)))
+
+
+@cache
+def measured_regeneration():
+    """The same, measured by the finished regeneration shards."""
+    return measure(regeneration_timings(f"{R}/regenerated"))
 
 
 def extract_mem_mb(wildcards):
@@ -23,21 +31,32 @@ def extract_mem_mb(wildcards):
 
 
 def extract_runtime(wildcards, input, attempt):
-    """Minutes for one shard; in a group of N sharing one engine, each job carries 1/N of the
-    load, so the allocation's limit (the sum over its jobs) holds one load."""
-    tokens_per_second, engine_start_s = measured_rates(wildcards.fp)
+    """Minutes for one shard: its tokens, the model load and the verification read
+    (jobres.job_runtime_minutes, docs/slurm.md)."""
     n_tokens = jobres.shard_tokens(input.tokens)
-    load = engine_start_s / 60 if engine_start_s else EXTRACT["model_load_minutes"]
-    if EXTRACT_GROUP and EXTRACT["engine_reuse"]:
-        load /= SHARDS_PER_ALLOCATION
-    return jobres.extract_runtime_minutes(
+    return jobres.job_runtime_minutes(
+        EXTRACT,
         n_tokens,
-        tokens_per_second or EXTRACT["tokens_per_second"],
-        load,
+        measured_rates(wildcards.fp),
+        EXTRACT["tokens_per_second"],
         jobres.verify_minutes(
             n_tokens, len(layer_ids()), read_target(TARGET).hidden_size
         ),
         attempt,
+    )
+
+
+def regenerate_runtime(wildcards, attempt):
+    """Minutes for one source shard: its user turns x max_new_tokens, at
+    data.regenerate.tokens_per_second until a finished shard has measured the rate, and the
+    model load (jobres.job_runtime_minutes, docs/slurm.md)."""
+    (entry,) = [s for s in source_shards() if s["id"] == wildcards.source]
+    return jobres.job_runtime_minutes(
+        EXTRACT,
+        entry["prompts"] * REGENERATE["max_new_tokens"],
+        measured_regeneration(),
+        REGENERATE["tokens_per_second"],
+        attempt=attempt,
     )
 
 

@@ -8,7 +8,7 @@
 checkpoint shard:
     input:
         data=shard_data,
-        tokenizer=target_tokenizer_files,
+        tokenizer=tokenizer_files,
         regeneration_rejects=shard_regeneration_rejects,
     output:
         manifest=f"{R}/shards/manifest.parquet",

@@ -3,7 +3,7 @@
 # Built from the untrained fixture (tiny_target) into its own directory (TRAINED_TINY_TARGET,
 # common.smk); config/config.yaml points `target.path` there, so the embedded default's
 # pipeline uses the trained target. Extraction tests pin the untrained one
-# (tests/workflow_runner.py).
+# (tests/support/workflow_runner.py).
 
 
 localrules:

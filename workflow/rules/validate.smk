@@ -25,6 +25,8 @@ rule validate_env:
         device_checks=lambda wildcards: int(device_checks_here()),
     params:
         target=lambda wildcards, input: os.path.dirname(input.config),
+        # extract and capture are rerun triggers only (the script reads the whole config): a
+        # change of the engine or capture settings re-validates.
         extract={
             k: config["extract"][k]
             for k in (
@@ -37,8 +39,8 @@ rule validate_env:
                 "gpu_memory_utilization",
             )
         },
-        # storage_dtype (read from the config by the disk check) is in the fingerprint: see patch.
-        capture={k: v for k, v in config["capture"].items() if k != "storage_dtype"},
+        # storage_dtype, which the disk check reads, is in the fingerprint (CAPTURE_PARAMS).
+        capture=CAPTURE_PARAMS,
         results_dir=lambda wildcards, output: str(Path(output[0]).parents[2]),
     script:
         "../scripts/validate_env.py"

@@ -2,8 +2,8 @@ import json
 
 from eagleflow.draft.acceptance import EvalSettings, evaluate
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import release_idle_servers, this_run
 from eagleflow.logs import redirect_to_log
+from eagleflow.serve.client import release_idle_servers, this_run
 
 with redirect_to_log(snakemake.log[0]):
     import torch

@@ -1,29 +1,13 @@
 import sys
 from pathlib import Path
 
-from eagleflow.capture.plan import CapturePlan, Strategy
+from eagleflow.capture.plan import CapturePlan
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import ServerSpec, snakemake_ancestor
 from eagleflow.extract.preflight import check_devices_for
 from eagleflow.extract.shard import ShardOutputs, extract_shard
 from eagleflow.logs import redirect_to_log
+from eagleflow.serve.client import engine_server
 from eagleflow.store.verify import ShardInvalid
-
-
-def engine_server(settings, plan, out) -> ServerSpec | None:
-    """The shared engine server this job uses (docs/engine-reuse.md), or None for an engine of
-    its own: reuse off, or vLLM's connector (its output directory is fixed per engine)."""
-    ext = snakemake.config["extract"]
-    if not ext["engine_reuse"] or plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:
-        return None
-    return ServerSpec(
-        settings,
-        plan,
-        engine_dir=Path(out.hidden).parent / ".engine",
-        log_dir=Path(snakemake.log[0]).parent,
-        idle_seconds=ext["engine_idle_seconds"],
-        watch_pid=snakemake_ancestor(),
-    )
 
 
 def main():
@@ -41,7 +25,10 @@ def main():
                 outputs,
                 settings,
                 chunk_tokens=snakemake.config["extract"]["chunk_tokens"],
-                server=engine_server(settings, plan, out),
+                # The shared capture server (docs/engine-reuse.md), or None for its own engine.
+                server=engine_server(
+                    snakemake.config, settings, plan, out.hidden, snakemake.log[0]
+                ),
             )
         except ShardInvalid as e:
             sys.exit(str(e))

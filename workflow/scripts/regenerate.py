@@ -1,29 +1,17 @@
 from contextlib import ExitStack
 from pathlib import Path
 
-from eagleflow.data.regenerate import ShardFiles, regenerate_source_shard
-from eagleflow.data.sources import read_manifest
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import EngineClient, ServerSpec, snakemake_ancestor
 from eagleflow.logs import redirect_to_log
-
-
-def engine_server(config, settings: EngineSettings) -> ServerSpec | None:
-    """The shared generate server this job uses (docs/engine-reuse.md#regeneration), or None
-    for an engine of its own (`extract.engine_reuse: false`)."""
-    ext = config["extract"]
-    if not ext["engine_reuse"]:
-        return None
-    return ServerSpec(
-        settings,
-        None,
-        engine_dir=Path(snakemake.output.rows).parent / ".engine",
-        log_dir=Path(snakemake.log[0]).parent,
-        idle_seconds=ext["engine_idle_seconds"],
-        watch_pid=snakemake_ancestor(),
-        kind="generate",
-    )
-
+from eagleflow.regenerate.replies import generator_for
+from eagleflow.regenerate.shard import (
+    Regeneration,
+    ShardFiles,
+    SourceShard,
+    regenerate_source_shard,
+)
+from eagleflow.regenerate.sources import read_manifest
+from eagleflow.serve.client import engine_server
 
 # vLLM spawns its engine core for some targets (TP > 1, multimodal wrappers): the spawned
 # process imports this file again, without the `snakemake` object.
@@ -31,32 +19,22 @@ if __name__ == "__main__":
     # Settings from the config, not params (see regenerate.smk): what changes the replies is in
     # the source shard id already.
     config = snakemake.config
-    regen = config["data"]["regenerate"]
+    out = snakemake.output
     with redirect_to_log(snakemake.log[0]), ExitStack() as stack:
         settings = EngineSettings.from_config(config, "regenerate")
-        server = engine_server(config, settings)
-        # Connected only when the shard has chunks to answer (the client logs whether it started
-        # the server or reuses one); stays connected until the shard's files and summary are
-        # written, so the server's idle clock starts when the job ends.
-        generator = (
-            (lambda _, n: stack.enter_context(EngineClient(server)).generator(n))
-            if server
-            else None
-        )
+        regeneration = Regeneration.from_config(config)
+        # The shared generate server (docs/engine-reuse.md#regeneration), or None for an engine
+        # of the job's own. Connected only when the shard has chunks to answer (the client logs
+        # whether it started the server or reuses one); stays connected until the shard's files
+        # and summary are written, so the server's idle clock starts when the job ends.
+        server = engine_server(config, settings, None, out.rows, snakemake.log[0])
         regenerate_source_shard(
-            snakemake.input.data,
-            read_manifest(snakemake.input.sources),
-            snakemake.wildcards.source,
-            config["target"]["path"],
-            ShardFiles(
-                Path(snakemake.output.rows),
-                Path(snakemake.output.rejects),
-                Path(snakemake.output.summary),
+            SourceShard(
+                Path(snakemake.input.data),
+                read_manifest(snakemake.input.sources),
+                snakemake.wildcards.source,
             ),
-            max_length=config["data"]["max_length"],
-            max_new_tokens=regen["max_new_tokens"],
-            chunk_rows=regen["chunk_rows"],
-            on_bad_row=config["data"]["on_bad_row"],
-            engine=settings,
-            generator=generator,
+            ShardFiles(Path(out.rows), Path(out.rejects), Path(out.summary)),
+            regeneration,
+            generator_for(settings, regeneration.max_new_tokens, server, stack),
         )

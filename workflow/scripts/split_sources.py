@@ -1,6 +1,6 @@
-from eagleflow.data.sources import regeneration_identity, split_sources, write_manifest
 from eagleflow.extract.fingerprint import target_identity
 from eagleflow.logs import redirect_to_log
+from eagleflow.regenerate.sources import regeneration_identity, split_sources, write_manifest
 
 with redirect_to_log(snakemake.log[0]):
     p = snakemake.params

@@ -11,7 +11,7 @@ Strategies:
   each captured layer.
 - `extract_hidden_states`: vLLM's own extraction (a speculative "proposer" that stores the
   model's aux states in a cache-only KV layer, and `ExampleHiddenStatesConnector`, which writes
-  one file per request; eagleflow converts those files, see `hidden_states_connector`). Only
+  one file per request; eagleflow converts those files: `eagleflow.capture.connector`). Only
   where it works: CUDA (the connector copies through pinned memory on a CUDA stream), non-MLA
   targets, the vLLM versions whose source eagleflow has read. Never chosen by `auto`.
 
@@ -123,11 +123,6 @@ PROPOSER_MODULE = "vllm.v1.spec_decode.extract_hidden_states"
 
 class CaptureCheckError(RuntimeError):
     pass
-
-
-def plan_path(results_dir: str, fingerprint: str) -> str:
-    """Where the `patch` rule writes the capture plan of an extraction fingerprint."""
-    return f"{results_dir}/hidden/{fingerprint}/capture_plan.json"
 
 
 def _params(fn) -> tuple[str, ...]:

@@ -1,1 +1,1 @@
-"""Chat data: reading, templating, held-out split, tokenized shards, regeneration."""
+"""Chat data: reading, templating, held-out split, tokenized shards."""

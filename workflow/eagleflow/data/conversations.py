@@ -179,7 +179,7 @@ def read_conversations(
 ) -> tuple[list[Conversation], list[BadRow]]:
     """Conversations and bad rows of one dataset file, or of several read one after another
     (sample ids unique across all). `rows`: only records [start, end) in reading order (blank
-    JSONL lines are not records): one source shard (eagleflow.data.sources). `seen`: sample
+    JSONL lines are not records): one source shard (eagleflow.regenerate.sources). `seen`: sample
     ids of files read before (updated)."""
     good, bad = [], []
     seen = set() if seen is None else seen
@@ -208,7 +208,7 @@ def _read_file(path: Path, require_assistant, rows, good, bad, seen) -> None:
             continue
         source = record.get("source")
         if isinstance(source, dict) and {"file", "row"} <= source.keys():
-            # a regenerated row (eagleflow.data.regenerate) names the dataset row it answers
+            # a regenerated row (eagleflow.regenerate.shard) names the dataset row it answers
             origin = (str(source["file"]), int(source["row"]))
         else:
             origin = (str(path), row)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -139,12 +139,20 @@ def write_rejects(bad: list, path) -> None:
             f.write(json.dumps(b, ensure_ascii=False) + "\n")
 
 
+@dataclass(frozen=True)
+class TokenShardOutputs:
+    """The files the `shard` rule writes, each atomically."""
+
+    tokens: Path  # directory of <shard_id>.safetensors token shards
+    manifest: Path  # Parquet, one row per kept sample (manifest_frame)
+    rejects: Path  # JSON lines, this stage's rejects then earlier stages'; empty if none
+
+
 def shard_dataset(
     dataset_paths,
     tokenizer_dir,
-    tokens_dir,
-    manifest_path,
-    rejects_path,
+    out: TokenShardOutputs,
+    *,
     shard_size: int,
     max_length: int,
     on_bad_row: str,
@@ -156,74 +164,40 @@ def shard_dataset(
     `dataset_paths`: one file, or several read in order (regenerated source shards); a token
     shard never spans two files, so each file's shards depend on that file alone.
     `earlier_rejects`: rejects files of an earlier stage (regeneration), gathered into
-    `rejects_path` after this stage's own, with a `stage` field."""
-    from eagleflow.data.conversations import BadRow, read_conversations
-    from eagleflow.data.templating import tokenize_conversation, tokenizer_digest
+    `out.rejects` after this stage's own, with a `stage` field."""
+    from eagleflow.data.templating import tokenizer_digest
     from eagleflow.target.load import load_tokenizer
 
     paths = [dataset_paths] if isinstance(dataset_paths, (str, Path)) else list(dataset_paths)
     tokenizer = load_tokenizer(tokenizer_dir)
     digest = tokenizer_digest(tokenizer)
     kept_all, shards, bad_all, seen, rows_read = [], [], [], set(), 0
-    for path in paths:
-        # one file at a time, sample ids unique across all of them
-        conversations, bad = read_conversations(path, seen=seen)
-        rows_read += len(conversations) + len(bad)
-        kept, tokenized = [], []
-        for conv in conversations:
-            t = tokenize_conversation(tokenizer, conv.messages, max_length)
-            if not t.loss_mask.any():
-                bad.append(
-                    BadRow(
-                        conv.source_file,
-                        conv.source_row,
-                        f"no assistant tokens within the first {max_length} tokens",
-                        conv.sample_id,
-                    )
-                )
-                continue
-            kept.append(conv)
-            tokenized.append(t)
-        bad.sort(key=lambda b: b.source_row)
-        bad_all += bad
+    for path in paths:  # one file at a time, sample ids unique across all of them
+        kept, tokenized, bad, n_rows = _tokenize_file(path, tokenizer, max_length, seen)
         kept_all += kept
+        bad_all += bad
+        rows_read += n_rows
         shards += build_shards(kept, tokenized, shard_size, digest)
-    prompts_only = [b for b in bad_all if b.reason == PROMPTS_ONLY]
-    if prompts_only and not kept_all:  # a prompt-only dataset, not a few bad rows
-        raise prompts_only_error(prompts_only, rows_read)
-    if bad_all and on_bad_row == "error":
-        raise DatasetError(f"{bad_all[0].message()} ({len(bad_all)} bad rows in all)")
-    if not kept_all:
-        raise DatasetError(f"{', '.join(map(str, paths))}: no usable conversations")
-    tokens_dir = Path(tokens_dir)
-    tokens_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_bad_rows(paths, kept_all, bad_all, rows_read, on_bad_row)
+    out.tokens.mkdir(parents=True, exist_ok=True)
     for shard in shards:
-        write_token_shard(shard, tokens_dir / f"{shard.shard_id}.safetensors")
+        write_token_shard(shard, out.tokens / f"{shard.shard_id}.safetensors")
     frame = manifest_frame(kept_all, shards)
-    tmp = Path(str(manifest_path) + ".tmp")
+    tmp = out.manifest.with_name(out.manifest.name + ".tmp")
     frame.to_parquet(tmp, index=False)
-    tmp.replace(manifest_path)
-    rejects = [
-        {
-            "stage": "shard",
-            "source_file": b.source_file,
-            "source_row": b.source_row,
-            "reason": b.reason,
-            "raw": b.raw,
-        }
-        for b in bad_all
+    tmp.replace(out.manifest)
+    rejects = [{"stage": "shard", **asdict(b)} for b in bad_all]
+    earlier = [
+        {"stage": "regenerate", **json.loads(line)}
+        for p in earlier_rejects
+        for line in Path(p).read_text(encoding="utf-8").splitlines()
+        if line.strip()
     ]
-    n_earlier = 0
-    for p in earlier_rejects:
-        for line in Path(p).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rejects.append({"stage": "regenerate", **json.loads(line)})
-                n_earlier += 1
-    write_rejects(rejects, rejects_path)
+    write_rejects(rejects + earlier, out.rejects)
     summary = {
         "conversations": len(kept_all),
         "rejected": len(bad_all),
-        "rejected_by_regeneration": n_earlier,
+        "rejected_by_regeneration": len(earlier),
         "shards": len(shards),
         "tokens": int(frame["n_tokens"].sum()),
         "loss_tokens": int(frame["n_loss_tokens"].sum()),
@@ -231,8 +205,39 @@ def shard_dataset(
     log(
         f"sharded {len(paths)} file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''}): "
         f"{rows_read} rows read, {len(kept_all)} kept, {len(bad_all)} rejected here"
-        + (f", {n_earlier} rejected by regeneration" if earlier_rejects else "")
+        + (f", {len(earlier)} rejected by regeneration" if earlier_rejects else "")
         + f"; {summary}"
-        + (f"; rejects written to {rejects_path}" if rejects else "")
+        + (f"; rejects written to {out.rejects}" if rejects or earlier else "")
     )
     return summary
+
+
+def _tokenize_file(path, tokenizer, max_length: int, seen: set):
+    """(kept conversations, their tokenizations, bad rows in row order, rows read) of one file;
+    a conversation whose truncation leaves no assistant token is a bad row."""
+    from eagleflow.data.conversations import BadRow, read_conversations
+    from eagleflow.data.templating import tokenize_conversation
+
+    conversations, bad = read_conversations(path, seen=seen)
+    rows_read = len(conversations) + len(bad)
+    kept, tokenized = [], []
+    for conv in conversations:
+        t = tokenize_conversation(tokenizer, conv.messages, max_length)
+        if t.loss_mask.any():
+            kept.append(conv)
+            tokenized.append(t)
+        else:
+            reason = f"no assistant tokens within the first {max_length} tokens"
+            bad.append(BadRow(conv.source_file, conv.source_row, reason, conv.sample_id))
+    bad.sort(key=lambda b: b.source_row)
+    return kept, tokenized, bad, rows_read
+
+
+def _refuse_bad_rows(paths, kept: list, bad: list, rows_read: int, on_bad_row: str) -> None:
+    prompts_only = [b for b in bad if b.reason == PROMPTS_ONLY]
+    if prompts_only and not kept:  # a prompt-only dataset, not a few bad rows
+        raise prompts_only_error(prompts_only, rows_read)
+    if bad and on_bad_row == "error":
+        raise DatasetError(f"{bad[0].message()} ({len(bad)} bad rows in all)")
+    if not kept:
+        raise DatasetError(f"{', '.join(map(str, paths))}: no usable conversations")

@@ -1,2 +1,2 @@
-"""Extraction of shards: preflight checks, fingerprint, per-shard extraction, job sizes,
-progress."""
+"""Extraction of shards: preflight checks, fingerprint, per-shard extraction, the capture
+engine server, job sizes, progress."""

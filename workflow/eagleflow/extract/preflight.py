@@ -199,19 +199,16 @@ def check_devices_for(settings) -> None:
 def validate(
     config: dict, target_dir: str, total_tokens: int, results_dir: str, device_checks: bool = True
 ) -> tuple[bool, dict]:
-    checks: list[Check] = []
+    """Every check the `validate_env` rule makes before any model loads: package versions, the
+    target's config, layer ids, pipeline stages, nodes, remote code, tokenizer, weight headers,
+    devices and memory (unless `device_checks` is off: a login node defers them to the extract
+    jobs) and disk for `total_tokens` tokens of hidden states in `results_dir`.
+
+    Returns (whether all passed, the report: versions and each check's name, ok and detail,
+    then, when the target's config reads, the weight and output size estimates and the layout).
+    A target whose config does not read ends the checks there."""
     versions = package_versions()
-    missing = [k for k, v in versions.items() if v is None]
-    checks.append(
-        Check(
-            "versions",
-            not missing,
-            ", ".join(f"{k} {v}" for k, v in versions.items())
-            if not missing
-            else f"packages {missing} are not installed; run envs/setup-cpu.sh (CPU) or create "
-            "envs/vllm-cuda.yaml (GPU)",
-        )
-    )
+    checks = [_check_versions(versions)]
     ext, cap = config["extract"], config["capture"]
     tp, pp = ext["tensor_parallel_size"], ext.get("pipeline_parallel_size", 1)
     nodes = ext.get("nodes", 1)
@@ -228,16 +225,8 @@ def validate(
             + (f" (text model of {info.wrapper})" if info.wrapper else ""),
         )
     )
-    try:
-        layer_ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], info.num_layers)
-        checks.append(
-            Check("layer_ids", True, f"{layer_ids} (vllm convention) of {info.num_layers} layers")
-        )
-    except ValueError as e:
-        layer_ids = None
-        checks.append(Check("layer_ids", False, str(e)))
-    checks.append(check_stages(pp, info.num_layers))
-    checks.append(check_nodes(tp, pp, nodes))
+    layer_ids, layers_check = _check_layer_ids(cap, info.num_layers)
+    checks += [layers_check, check_stages(pp, info.num_layers), check_nodes(tp, pp, nodes)]
     remote = _check_remote_code(target_dir, config["target"].get("trust_remote_code", False))
     checks.append(remote)
     checks.append(
@@ -266,25 +255,11 @@ def validate(
     n_layers = len(layer_ids) if layer_ids else 0
     storage = cap.get("storage_dtype", DEFAULT_STORAGE)
     per_token = bytes_per_token(n_layers, info.hidden_size, ext["dtype"], storage)
-    out_bytes = total_tokens * per_token
-    Path(results_dir).mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(results_dir).free
-    checks.append(
-        Check(
-            "disk",
-            out_bytes < free,
-            f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {n_layers} "
-            f"layers x {info.hidden_size}, stored as {storage}) fit in {free / 2**30:.1f} GiB free"
-            if out_bytes < free
-            else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
-            f"tokens x {per_token} bytes: {n_layers} layers x {info.hidden_size}, stored as "
-            f"{storage}) but {results_dir} has {free / 2**30:.1f} GiB free; free space or point "
-            "results_dir elsewhere",
-        )
-    )
+    row = f"{n_layers} layers x {info.hidden_size}, stored as {storage}"
+    checks.append(_check_disk(results_dir, total_tokens, per_token, row))
     extra = {
         "weight_bytes_estimate": target_bytes,
-        "output_bytes_estimate": out_bytes,
+        "output_bytes_estimate": total_tokens * per_token,
         "layer_ids": layer_ids,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
@@ -292,6 +267,47 @@ def validate(
         "device": ext["device"],
     }
     return _report(checks, versions, extra)
+
+
+def _check_versions(versions: dict) -> Check:
+    missing = [k for k, v in versions.items() if v is None]
+    return Check(
+        "versions",
+        not missing,
+        ", ".join(f"{k} {v}" for k, v in versions.items())
+        if not missing
+        else f"packages {missing} are not installed; run envs/setup-cpu.sh (CPU) or create "
+        "envs/vllm-cuda.yaml (GPU)",
+    )
+
+
+def _check_layer_ids(cap: dict, num_layers: int) -> tuple[list[int] | None, Check]:
+    """The capture's layer ids (vLLM's convention), None when the config's do not resolve."""
+    try:
+        layer_ids = resolve_layer_ids(cap["layer_ids"], cap["layer_id_convention"], num_layers)
+    except ValueError as e:
+        return None, Check("layer_ids", False, str(e))
+    return layer_ids, Check(
+        "layer_ids", True, f"{layer_ids} (vllm convention) of {num_layers} layers"
+    )
+
+
+def _check_disk(results_dir, total_tokens: int, per_token: int, row: str) -> Check:
+    """Room in `results_dir` for the hidden states, `per_token` bytes a token (`row` says what
+    a token's row holds)."""
+    out_bytes = total_tokens * per_token
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(results_dir).free
+    return Check(
+        "disk",
+        out_bytes < free,
+        f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {row}) fit in "
+        f"{free / 2**30:.1f} GiB free"
+        if out_bytes < free
+        else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
+        f"tokens x {per_token} bytes: {row}) but {results_dir} has {free / 2**30:.1f} GiB "
+        "free; free space or point results_dir elsewhere",
+    )
 
 
 def _check_remote_code(target_dir, trust: bool) -> Check:

@@ -1,15 +1,14 @@
 """What each job asks a cluster scheduler for (SLURM through snakemake-executor-plugin-slurm):
 GPUs, CPUs, memory and a runtime estimated from the shard's token count and the measured
-throughput of shards already extracted. Pure functions of the config and small files."""
+throughput of shards already extracted (extract.rates). Pure functions of the config and small
+files."""
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import statistics
 from pathlib import Path
 
+from eagleflow.extract.rates import Measured
 from eagleflow.store.headers import read_header
 
 # Defaults when the config leaves them null (see workflow/schemas/config.schema.yaml).
@@ -20,7 +19,6 @@ CPU_OVERHEAD_MB = 2048
 # Runtime estimate: margin on load + prefill, plus start-up (Snakemake, imports, finishing).
 RUNTIME_MARGIN = 1.5
 STARTUP_MINUTES = 2
-SIDECAR = re.compile(r"[0-9a-f]{20}\.json")
 
 
 def _workers(ext: dict) -> int:
@@ -86,27 +84,6 @@ def shard_tokens(tokens_path: str | Path) -> int:
             return 0
 
 
-def measured_rates(hidden_dir: str | Path) -> tuple[float | None, float | None]:
-    """(median tokens/s, longest engine start in s) over the sidecars of finished shards of
-    one extraction; None where no shard has measured it yet."""
-    rates, starts = [], []
-    d = Path(hidden_dir)
-    if d.is_dir():
-        for p in d.iterdir():
-            if not SIDECAR.fullmatch(p.name):
-                continue
-            try:
-                rec = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("tokens_extracted_now") and rec.get("tokens_per_second"):
-                rates.append(float(rec["tokens_per_second"]))
-            start = (rec.get("seconds") or {}).get("engine_start")
-            if rec.get("model_loaded") and start:
-                starts.append(float(start))
-    return (statistics.median(rates) if rates else None, max(starts) if starts else None)
-
-
 def verify_minutes(
     n_tokens: int, n_layers: int, hidden_size: int, read_mb_per_second: float = 200
 ) -> float:
@@ -123,8 +100,8 @@ def extract_runtime_minutes(
     verify_minutes: float = 0.0,
     attempt: int = 1,
 ) -> int:
-    """SLURM time limit of an extract job: 1.5 x (load + prefill + verification) + start-up,
-    times attempt."""
+    """SLURM time limit of a job that loads the target: 1.5 x (load + tokens + verification) +
+    start-up, times attempt."""
     est = (
         RUNTIME_MARGIN * (load_minutes + n_tokens / tokens_per_second / 60 + verify_minutes)
         + STARTUP_MINUTES
@@ -132,22 +109,31 @@ def extract_runtime_minutes(
     return math.ceil(est) * max(1, attempt)
 
 
-def measured_regeneration(regenerated_dir: str | Path) -> tuple[float | None, float | None]:
-    """(median generated tokens/s, longest engine start in s) over the summaries of finished
-    regeneration shards: the rate of every shard that generated, the start of those that
-    loaded the model (with engine reuse, the job that started the server; the others only
-    connected); None where none has measured it yet."""
-    rates, starts = [], []
-    d = Path(regenerated_dir)
-    if d.is_dir():
-        for p in d.glob("*.summary.json"):
-            try:
-                rec = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("tokens_per_second"):
-                rates.append(float(rec["tokens_per_second"]))
-            if rec.get("model_loaded"):
-                starts.append(float(rec.get("engine_start_s") or 0))
-    starts = [s for s in starts if s > 0]
-    return (statistics.median(rates) if rates else None, max(starts) if starts else None)
+def jobs_per_engine(ext: dict) -> int:
+    """Jobs that share one model load in a SLURM allocation: `extract.shards_per_allocation`
+    with engine reuse (docs/engine-reuse.md#on-slurm), else 1."""
+    n = int(ext.get("shards_per_allocation", 1))
+    return n if ext.get("engine_reuse") and n > 1 else 1
+
+
+def job_runtime_minutes(
+    ext: dict,
+    n_tokens: int,
+    measured: Measured,
+    tokens_per_second: float,
+    verify_minutes: float = 0.0,
+    attempt: int = 1,
+) -> int:
+    """SLURM time limit of a job that loads the target (an extract or a regenerate job) and
+    processes `n_tokens`: at the measured rate, else `tokens_per_second` (the config's
+    assumption), with the measured model load, else `extract.model_load_minutes`. In a group
+    of N jobs sharing one engine server (`jobs_per_engine`) each carries 1/N of the load, so
+    the allocation's limit, the sum over its jobs, holds one load."""
+    load = measured.load_seconds / 60 if measured.load_seconds else ext["model_load_minutes"]
+    return extract_runtime_minutes(
+        n_tokens,
+        measured.tokens_per_second or tokens_per_second,
+        load / jobs_per_engine(ext),
+        verify_minutes,
+        attempt,
+    )

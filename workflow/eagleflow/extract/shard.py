@@ -27,7 +27,7 @@ from eagleflow.capture.plan import CapturePlan, Strategy, plan_for_pipeline
 from eagleflow.data.shards import read_token_shard
 from eagleflow.engine.builder import build_engine, stop_engine
 from eagleflow.engine.settings import EngineSettings
-from eagleflow.extract.client import EngineClient, ServerSpec, release_idle_servers, this_run
+from eagleflow.serve.client import EngineClient, ServerSpec, release_idle_servers, this_run
 from eagleflow.store.chunks import ShardChunks
 from eagleflow.store.shardfile import (
     ChunkTarget,
@@ -41,6 +41,8 @@ from eagleflow.target.info import read_target
 from eagleflow.target.layers import CONVENTION
 
 CAPTURE_WORKER = "eagleflow.capture.worker.CaptureExtension"
+# The capture engine server's entry point, started by the first job that needs it.
+CAPTURE_SERVER = "eagleflow.extract.capture_server"
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,8 @@ def extract_shard(
     chunk in flight (a kill after the last commit verifies again without loading the model). A
     shard that fails verification goes to quarantine with its partial directory (ShardInvalid).
 
-    `server`: prefill through the shared engine server of that spec (started if none runs;
-    eagleflow.extract.server) instead of loading an engine for this shard alone. The client
+    `server`: prefill through the shared engine server of that spec (started if none runs:
+    `CAPTURE_SERVER`) instead of loading an engine for this shard alone. The client
     stays connected until the shard is verified, so the server's idle clock starts when the
     job ends."""
     shard = read_token_shard(tokens_path)
@@ -206,7 +208,7 @@ def extract_shard(
         )
         tokens_done = 0
         if todo and server is not None:
-            client = stack.enter_context(EngineClient(server, log))
+            client = stack.enter_context(EngineClient(server, CAPTURE_SERVER, log))
             timings.seconds["engine_start"] = client.wait_seconds
             engine.update(loaded_here=client.started_here, server_pid=client.server_pid)
             figures = client.prefill(tokens_path, outputs.hidden, chunk_tokens)
@@ -285,7 +287,8 @@ def run_chunks(
     (`max_num_batched_tokens` each), so every forward is as full as in one plain `generate`
     over the whole shard: no drain at chunk ends, no partial first batch per chunk, and the
     driver never waits for a commit. Each chunk is registered with the workers right after
-    its requests are added; they write it when its rows are complete (capture_worker).
+    its requests are added; they write it when its rows are complete (`CaptureExtension`,
+    eagleflow.capture.worker).
     """
     if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:  # rows come from vLLM's files
         return run_connector_chunks(

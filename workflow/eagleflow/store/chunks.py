@@ -22,6 +22,8 @@ import numpy as np
 
 from eagleflow.data.shards import TokenShard
 
+SHARD_FILE = "shard.safetensors"  # the shard's file while written, in .partial/<shard>/
+
 
 def chunk_ranges(offsets: np.ndarray, chunk_tokens: int) -> list[tuple[int, int]]:
     """Consecutive sample ranges of about `chunk_tokens` tokens (at least one sample each);
@@ -73,7 +75,7 @@ class ShardChunks:
     @property
     def shard_file(self) -> Path:
         """The shard's file while its chunks are written (eagleflow.store.shardfile)."""
-        return self.partial_dir / "shard.safetensors"
+        return self.partial_dir / SHARD_FILE
 
     def path(self, i: int, stage: int | None = None) -> Path:
         """Chunk `i`'s marker; with several capturing stages, stage `stage`'s marker."""

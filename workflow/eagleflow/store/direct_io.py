@@ -4,8 +4,7 @@ as the fallback where a filesystem refuses it.
 Why: the states are written once and not read again by the job that writes them except by its
 verification read, so caching them buys nothing and costs a page per 4 KiB, twice (filled on
 write, again on read). On a virtual machine that returns freed memory to its host, every new
-page also faults on the host: measured there, 256 MiB of fresh page-cache writes cost 0.65-0.84 s
-of CPU against 0.005-0.009 s with `O_DIRECT`, on a core the engine's forward was using
+page also faults on the host, which costs CPU on a core the engine's forward is using
 (docs/measurements/extract-throughput.md).
 
 `O_DIRECT` wants the file offset, the length and the memory address aligned to the device's

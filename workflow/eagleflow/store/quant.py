@@ -141,11 +141,6 @@ def dequantize(q, scales, dtype=None):
     return out if dtype is None or dtype == torch.float32 else out.to(dtype)
 
 
-def stored_storage_dtype(header: dict) -> str:
-    """The storage dtype of a shard or chunk from its safetensors header."""
-    return FP8 if header["hidden_states"]["dtype"] == "F8_E4M3" else DEFAULT_STORAGE
-
-
 def read_states(f, path, rows: slice | None = None, dtype=None):
     """`hidden_states[rows]` of an open `safe_open` handle as values: fp8 dequantized (float32
     unless `dtype` is given), other dtypes as stored (converted when `dtype` is given).

@@ -31,7 +31,6 @@ from eagleflow.store.dtypes import code_of, torch_dtype
 from eagleflow.store.quant import FP8, SCALES_KEY, is_fp8
 
 FORMAT = "eagleflow-hidden-v1"
-SHARD_FILE = "shard.safetensors"  # inside .partial/<shard>/
 
 
 def safetensors_header(

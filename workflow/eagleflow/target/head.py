@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagleflow.target.info import read_target, unwrap_text_config
+
 NORM, LM_HEAD, EMBED = "model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"
 
 
 def read_target_config(target_dir) -> dict:
+    """The target's text-model config: a wrapper's `text_config`, else config.json itself."""
     with open(Path(target_dir) / "config.json") as f:
-        config = json.load(f)
-    return config.get("text_config", config) if "hidden_size" not in config else config
+        return unwrap_text_config(json.load(f))[1]
 
 
 def _weight_file(target_dir: Path, name: str) -> Path:
@@ -39,8 +41,6 @@ def _weight_file(target_dir: Path, name: str) -> Path:
 
 def _stored_name(target_dir: Path, name: str) -> str:
     """A multimodal wrapper (Kimi-K2.5) stores its text model under `language_model.`."""
-    from eagleflow.target.info import read_target
-
     return f"language_model.{name}" if read_target(target_dir).wrapper else name
 
 
@@ -56,23 +56,25 @@ def read_target_tensor(target_dir, name: str) -> torch.Tensor:
 
 
 class TargetHead(torch.nn.Module):
-    """Frozen target final norm + lm_head restricted to the draft vocabulary (fp32)."""
+    """Frozen target final norm + lm_head restricted to the draft vocabulary. The rows are
+    kept in `dtype` (draft training: bf16, as the target stores them); the norm runs in fp32
+    and the logits come back as fp32."""
 
-    def __init__(self, norm_weight, lm_head_rows, eps: float):
+    def __init__(self, norm_weight, lm_head_rows, eps: float, dtype=torch.float32):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight.float())
-        self.register_buffer("lm_head", lm_head_rows.float())
+        self.register_buffer("lm_head", lm_head_rows.to(dtype))
         self.eps = eps
 
     @classmethod
-    def load(cls, target_dir, draft_target_ids: torch.Tensor) -> TargetHead:
+    def load(cls, target_dir, draft_target_ids: torch.Tensor, dtype=torch.float32) -> TargetHead:
         config = read_target_config(target_dir)
         norm = read_target_tensor(target_dir, NORM)
         lm_head = read_target_tensor(target_dir, LM_HEAD)[draft_target_ids]
-        return cls(norm, lm_head, float(config.get("rms_norm_eps", 1e-6)))
+        return cls(norm, lm_head, float(config.get("rms_norm_eps", 1e-6)), dtype)
 
     @torch.no_grad()
     def forward(self, final_prenorm: torch.Tensor) -> torch.Tensor:
         x = final_prenorm.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.norm_weight * x) @ self.lm_head.T
+        return ((self.norm_weight * x).to(self.lm_head.dtype) @ self.lm_head.T).float()

@@ -47,6 +47,17 @@ class TargetInfo:
         return self.is_deepseek_v2_family and bool(self.text_config.get("kv_lora_rank"))
 
 
+def unwrap_text_config(cfg: dict) -> tuple[str | None, dict]:
+    """(The wrapper's architecture or None, the text model's config) of a target's config.json.
+
+    A config with a `text_config` is a multimodal wrapper (Kimi-K2.5) unless its architecture
+    is itself a supported text model, whose config can carry a `text_config` of its own."""
+    arch = (cfg.get("architectures") or [None])[0]
+    if "text_config" in cfg and arch not in DEEPSEEK_V2_FAMILY | DENSE_FAMILY:
+        return arch, cfg["text_config"]
+    return None, cfg
+
+
 def read_target(path: str | Path) -> TargetInfo:
     path = Path(path)
     cfg_file = path / "config.json"
@@ -63,9 +74,9 @@ def read_target(path: str | Path) -> TargetInfo:
         raise TargetError(
             f"{cfg_file}: no `architectures` entry; eagleflow cannot tell which model this is"
         )
-    arch, wrapper, text = archs[0], None, cfg
-    if "text_config" in cfg and arch not in DEEPSEEK_V2_FAMILY | DENSE_FAMILY:
-        wrapper, text = arch, cfg["text_config"]
+    wrapper, text = unwrap_text_config(cfg)
+    arch = archs[0]
+    if wrapper:
         arch = (text.get("architectures") or [None])[0] or _arch_from_model_type(text, cfg_file)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:

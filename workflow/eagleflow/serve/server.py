@@ -1,10 +1,12 @@
-"""The engine server: one loaded engine serves many jobs (docs/engine-reuse.md).
+"""The engine server's loop: one loaded engine serves many jobs (docs/engine-reuse.md).
 
-Started by a job's `EngineClient` (eagleflow.extract.client), which also documents the
-protocol. A `capture` server loads the target with the capture hooks and prefills the shards
-its extract jobs send; a `generate` server loads the regeneration engine and answers the
-rounds its regenerate_shard jobs send. Either serves one request at a time and exits when idle,
-when its Snakemake run is gone, or after a failed request.
+Started by a job's `EngineClient` (eagleflow.serve.client), which also documents the protocol,
+as `python -m <module> SPEC`, where the module is its engine kind's entry point:
+`eagleflow.extract.capture_server` loads the target with the capture hooks and prefills the
+shards its extract jobs send; `eagleflow.regenerate.generate_server` loads the regeneration
+engine and answers the rounds its regenerate_shard jobs send. Each calls
+`serve(spec_from_command_line(), TheEngine)`. Either serves one request at a time and exits
+when idle, when its Snakemake run is gone, or after a failed request.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import traceback
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-from eagleflow.extract.client import LOADED, ServerSpec, alive
+from eagleflow.serve.client import LOADED, ServerSpec, alive
 
 
-class _ToClient:
+class ToClient:
     """A file-like progress sink (tqdm) that sends its text to the client."""
 
     def __init__(self, conn):
@@ -36,86 +38,11 @@ class _ToClient:
         pass
 
 
-class CaptureEngine:
-    """An extract jobs' server: the target with the capture hooks for the spec's plan; serves
-    `prefill` requests with the same `run_chunks` loop as a per-shard engine."""
-
-    request = "prefill"
-
-    def __init__(self, spec: ServerSpec):
-        from eagleflow.extract.shard import start_capture_engine
-
-        self.spec = spec
-        # The stage layout the workers reported, repeated in every job's log.
-        self.layout = []
-        self.llm = start_capture_engine(
-            spec.settings, spec.plan, Path(spec.engine_dir), log=self.layout.append
-        )
-        for line in self.layout:
-            print(line, flush=True)
-
-    def handle(self, req: dict, conn) -> dict:
-        from eagleflow.data.shards import read_token_shard
-        from eagleflow.extract.shard import Timings, run_chunks, shard_chunks, shard_file_of
-
-        spec = self.spec
-        shard = read_token_shard(req["tokens"])
-        # The job's own chunks: same ranges, same markers (one per capturing pipeline stage).
-        chunks = shard_chunks(shard, spec.plan, Path(req["hidden"]), req["chunk_tokens"])
-        # The job created the file before asking; its layout is a pure function.
-        shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
-        todo = chunks.todo()  # what is committed now, not when the client asked
-        print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
-        for line in self.layout:
-            conn.send(("log", line + "\n"))
-        timings = Timings()
-        done = run_chunks(self.llm, chunks, todo, spec.plan, shard_file, timings, _ToClient(conn))
-        print(f"shard {shard.shard_id}: {done} tokens prefilled", flush=True)
-        return {"tokens": done, "chunks": len(todo), **timings.seconds}
-
-    def stop(self) -> None:
-        from eagleflow.extract.shard import stop_capture_engine
-
-        stop_capture_engine(self.llm)
-
-
-class GenerateEngine:
-    """The regenerate_shard jobs' server: the regeneration engine (no capture hooks); serves
-    `generate` requests, one round of a job's chunk each, with the same `generate_replies`
-    call as a job's own engine (eagleflow.data.regenerate)."""
-
-    request = "generate"
-
-    def __init__(self, spec: ServerSpec):
-        from eagleflow.data.regenerate import start_generate_engine
-
-        self.llm = start_generate_engine(spec.settings)
-
-    def handle(self, req: dict, conn) -> list:
-        from eagleflow.data.regenerate import generate_replies
-
-        t0 = time.perf_counter()
-        replies = generate_replies(self.llm, req["prompts"], req["max_new_tokens"])
-        print(
-            f"generate: {len(replies)} prompts answered, {sum(r[2] for r in replies)} tokens "
-            f"in {time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
-        return replies
-
-    def stop(self) -> None:
-        from eagleflow.engine.builder import stop_engine
-
-        stop_engine(self.llm)
-
-
-ENGINES = {"capture": CaptureEngine, "generate": GenerateEngine}
-
-
-def serve(spec: ServerSpec, build=None) -> None:
+def serve(spec: ServerSpec, build) -> None:
     """Load the engine and serve it to one client at a time until idle, the Snakemake run is
-    gone, or a request fails; never returns. The engine (`request`, `handle(request, conn)`,
-    `stop()`) comes from `build(spec)`, by default the one of the spec's kind.
+    gone, or a request fails; never returns. The engine comes from `build(spec)`: its
+    `request` (the one request kind it serves), `handle(request, conn) -> answer` (progress
+    lines may go to `ToClient(conn)`) and `stop()`.
 
     The address is bound and the watchdog runs before the load: a second server for the same
     key cannot start while this one loads (a client that connects meanwhile waits for the
@@ -153,11 +80,11 @@ def serve(spec: ServerSpec, build=None) -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     t0 = time.perf_counter()
-    engine = (build or ENGINES[spec.kind])(spec)  # `build`: tests' fake engines
+    engine = build(spec)
     load_s = time.perf_counter() - t0
     print(f"{LOADED} in {load_s:.1f} s", flush=True)
     # Who this server is, for a job of the same run about to load another engine
-    # (eagleflow.extract.client.release_idle_servers).
+    # (eagleflow.serve.client.release_idle_servers).
     spec.registry_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = spec.registry_file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(spec.registry_entry(os.getpid())))
@@ -204,14 +131,10 @@ def serve(spec: ServerSpec, build=None) -> None:
                 state["last"] = time.monotonic()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def spec_from_command_line() -> ServerSpec:
+    """The spec of `python -m <an engine kind's server module> SPEC`, a file the first client
+    wrote."""
+    parser = argparse.ArgumentParser(description="an eagleflow engine server")
     parser.add_argument("spec", help="the server's spec file (written by the first client)")
     args = parser.parse_args()
-    spec = ServerSpec.from_json(json.loads(Path(args.spec).read_text()))
-    serve(spec)
-
-
-# vLLM may spawn worker processes: the guard keeps them from re-running this module.
-if __name__ == "__main__":
-    main()
+    return ServerSpec.from_json(json.loads(Path(args.spec).read_text()))

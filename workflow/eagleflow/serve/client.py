@@ -1,21 +1,23 @@
-"""A job's side of a shared engine (docs/engine-reuse.md); the server is
-`eagleflow.extract.server`. Two kinds of server, never one engine for both:
+"""A job's side of a shared engine (docs/engine-reuse.md); the serving loop is
+`eagleflow.serve.server`. Two kinds of server, never one engine for both, each started from
+its stage's own module (the caller names it: `EngineClient(spec, server_module)`):
 
-- `capture` (extract jobs): the first extract job that has chunks to prefill starts a detached
-  server process (`python -m eagleflow.extract.server SPEC`), under a file lock so two jobs
-  never start two. The server loads the target with the capture hooks installed, then listens
-  on a Linux abstract unix socket (per host, nothing to clean up) with an authkey kept in a
-  0600 file. Each extract job stays its own Snakemake job (outputs, shard lock, chunk resume,
-  finishing, record, verification, log): it connects as a client and asks the server to
-  prefill its shard. The server recomputes the shard's missing chunks itself when the request
-  starts, runs the same `run_chunks` as a per-shard engine, streams its progress lines to the
-  client and ends with the figures or the full traceback, which the client prints in the
-  shard's log.
-- `generate` (regenerate_shard jobs): started and shared the same way, with the regeneration
-  engine (`eagleflow.data.regenerate.start_generate_engine`, no capture hooks). The job keeps
-  its chunks, commits, rejects, summary and progress bar; its `generate` callable
-  (`EngineClient.generator`) sends each round's prompt ids and gets the replies, which the
-  server computes with the same `generate_replies` call a per-job engine makes.
+- `capture` (extract jobs, `eagleflow.extract.capture_server`): the first extract job that has
+  chunks to prefill starts a detached server process (`python -m <server_module> SPEC`), under
+  a file lock so two jobs never start two. The server loads the target with the capture hooks
+  installed, then listens on a Linux abstract unix socket (per host, nothing to clean up) with
+  an authkey kept in a 0600 file. Each extract job stays its own Snakemake job (outputs, shard
+  lock, chunk resume, finishing, record, verification, log): it connects as a client and asks
+  the server to prefill its shard. The server recomputes the shard's missing chunks itself
+  when the request starts, runs the same `run_chunks` as a per-shard engine, streams its
+  progress lines to the client and ends with the figures or the full traceback, which the
+  client prints in the shard's log.
+- `generate` (regenerate_shard jobs, `eagleflow.regenerate.generate_server`): started and
+  shared the same way, with the regeneration engine (no capture hooks). The job keeps its
+  chunks, commits, rejects, summary and progress bar; its generator
+  (`eagleflow.regenerate.replies.served_generator`) sends each round's prompt ids
+  (`EngineClient.generate`) and gets the replies, which the server computes with the same
+  `generate_replies` call a per-job engine makes.
 
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
@@ -40,8 +42,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from eagleflow.capture.plan import CapturePlan
-from eagleflow.data.regenerate import counting_generator
+from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.settings import EngineSettings
 
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
@@ -177,6 +178,30 @@ class ServerSpec:
         )
 
 
+def engine_server(
+    config: dict, settings: EngineSettings, plan: CapturePlan | None, output, log
+) -> ServerSpec | None:
+    """The shared engine server a job uses (docs/engine-reuse.md): a capture server for an
+    extract job (its `plan`), a generate server for a regenerate_shard job (no plan). Its lock,
+    spec and key files go to `.engine/` next to the job's `output`, its log next to the job's
+    `log`. None for an engine of the job's own: `extract.engine_reuse` off, or vLLM's connector
+    (its output directory is fixed per engine)."""
+    ext = config["extract"]
+    if not ext["engine_reuse"]:
+        return None
+    if plan is not None and plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:
+        return None
+    return ServerSpec(
+        settings,
+        plan,
+        engine_dir=Path(output).parent / ".engine",
+        log_dir=Path(log).parent,
+        idle_seconds=ext["engine_idle_seconds"],
+        watch_pid=snakemake_ancestor(),
+        kind="capture" if plan is not None else "generate",
+    )
+
+
 def log_tail(path: Path, n_chars: int = 6000) -> str:
     try:
         return Path(path).read_text(errors="replace")[-n_chars:]
@@ -240,12 +265,13 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
 
 
 class EngineClient:
-    """A job's connection to the engine server of `spec` (started if needed)."""
+    """A job's connection to the engine server of `spec`, started if needed as
+    `python -m <server_module> SPEC`: the module of the spec's kind, named by the caller
+    (`eagleflow.extract.capture_server`, `eagleflow.regenerate.generate_server`; tests: a fake
+    engine)."""
 
-    server_module = "eagleflow.extract.server"  # what `python -m` starts (tests: a fake engine)
-
-    def __init__(self, spec: ServerSpec, log=print):
-        self.spec, self.log = spec, log
+    def __init__(self, spec: ServerSpec, server_module: str, log=print):
+        self.spec, self.server_module, self.log = spec, server_module, log
         self.conn = None
         self.started_here = False
         self.wait_seconds = 0.0
@@ -377,12 +403,3 @@ class EngineClient:
             "max_new_tokens": max_new_tokens,
         }
         return self._request("generate", request, "generating this shard's replies")
-
-    def generator(self, max_new_tokens: int):
-        """(generate, finish counts) for `regenerate_source_shard`, answered by the server;
-        `generate.engine` is this job's engine record."""
-        generate, finished = counting_generator(
-            lambda prompts: self.generate(prompts, max_new_tokens)
-        )
-        generate.engine = self.engine
-        return generate, finished

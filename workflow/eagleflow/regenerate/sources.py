@@ -7,7 +7,7 @@ template files, weight signatures), the generation settings (`max_new_tokens`, `
 `mla`) and REGENERATION_CODE_VERSION. So appending rows adds shards and leaves the finished
 ones alone, editing a row changes its own shard's id only, and a new target or new settings
 regenerate everything. One `regenerate_shard` job per id writes
-`results/regenerated/<id>.jsonl` (eagleflow.data.regenerate).
+`results/regenerated/<id>.jsonl` (eagleflow.regenerate.shard).
 
 The split is a cheap pass over the file (no tokenizer, no model); its manifest
 (`results/regenerated/sources.json`) lists the shards in dataset order with their row range

@@ -1,0 +1,208 @@
+"""The target's replies: conversations answered in rounds, and the generators that answer them.
+
+A draft is judged by how often it guesses what the *target* says, so it should learn from the
+target's outputs rather than from whoever wrote the dataset (the EAGLE-3 authors and SpecForge
+regenerate responses the same way). Every conversation keeps its system and user turns; its
+assistant turns are dropped and each user turn is answered by the target, greedily, through
+vLLM (`LLM.generate`), with the target's own earlier replies in the context. Round r answers
+the r-th user turn of every conversation of a chunk in one batched `generate` call.
+
+Prompt-only datasets (a list of user turns per row: MT-Bench's `{"question_id", "turns"}`, or
+`messages` without assistant turns) are read the same way and come out completed.
+
+A job's replies come from a `Generator`: over an engine of its own (`vllm_generator`) or over
+the shared generate engine server (`served_generator`, docs/engine-reuse.md), which computes
+them with the same `generate_replies` call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from eagleflow.data.conversations import BadRow, Conversation
+from eagleflow.engine.settings import EngineSettings
+from eagleflow.serve.client import EngineClient, ServerSpec
+
+# The generate engine server's entry point, started by the first job that needs it.
+GENERATE_SERVER = "eagleflow.regenerate.generate_server"
+
+
+def prompt_turns(messages) -> list[dict]:
+    """A conversation's turns without its assistant turns."""
+    return [
+        {"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"
+    ]
+
+
+def regenerate_conversations(
+    conversations: list[Conversation], generate, render, max_prompt_tokens: int, log=print
+):
+    """(rows, bad): `rows` are {"id", "messages"} with every user turn answered by `generate`.
+
+    render(messages) -> prompt token ids (chat template plus generation prompt);
+    generate(list of prompt token-id lists) -> list of reply texts, in order.
+    A conversation stops (its later turns dropped) once its next prompt would be at least
+    `max_prompt_tokens` long: sharding truncates there anyway.
+    """
+    pending = [prompt_turns(c.messages) for c in conversations]
+    done: list[list[dict]] = [[] for _ in conversations]
+    answered = [0] * len(conversations)
+    stopped_early = 0
+    rounds = 0
+    while True:
+        batch = []
+        for i in range(len(conversations)):
+            moved = []
+            while pending[i]:
+                m = pending[i].pop(0)
+                moved.append(m)
+                if m["role"] == "user":
+                    break
+            if not moved or moved[-1]["role"] != "user":
+                continue  # nothing left to answer (trailing non-user turns are dropped)
+            ids = render(done[i] + moved)
+            if len(ids) >= max_prompt_tokens:
+                stopped_early += bool(pending[i]) or answered[i] > 0
+                pending[i] = []
+                continue
+            done[i] += moved
+            batch.append((i, ids))
+        if not batch:
+            break
+        t0 = time.time()
+        replies = generate([ids for _, ids in batch])
+        if len(replies) != len(batch):
+            raise RuntimeError(f"generate returned {len(replies)} replies for {len(batch)} prompts")
+        for (i, _), text in zip(batch, replies):
+            done[i].append({"role": "assistant", "content": text})
+            answered[i] += 1
+        rounds += 1
+        log(f"round {rounds}: {len(batch)} prompts answered in {time.time() - t0:.1f}s")
+    rows, bad = [], []
+    for c, msgs, n in zip(conversations, done, answered):
+        if n == 0:
+            bad.append(
+                BadRow(
+                    c.source_file,
+                    c.source_row,
+                    f"the first prompt is at least {max_prompt_tokens} tokens long: "
+                    "nothing left for the target to answer",
+                    c.sample_id,
+                )
+            )
+            continue
+        rows.append({"id": c.sample_id, "messages": msgs})
+    stats = {
+        "conversations": len(rows),
+        "rounds": rounds,
+        "replies": sum(answered),
+        "stopped_early": stopped_early,
+        "rejected": len(bad),
+    }
+    return rows, bad, stats
+
+
+def chat_renderer(tokenizer):
+    def render(messages):
+        out = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+
+    return render
+
+
+def start_generate_engine(settings: EngineSettings):
+    """The engine regeneration answers with: no capture hooks, prefix caching on (a round's
+    prompts extend the previous round's), CUDA graphs on GPUs (they speed up decoding; the CPU
+    backend runs eager). A job's own generator and the shared engine server both build it here.
+
+    `settings.max_num_seqs`: vLLM's cap on sequences decoded together (None: vLLM's default);
+    one `generate` call hands vLLM a whole round, so on a CPU a larger cap means fewer, fuller
+    decode steps. `settings.mla=False` builds the DeepSeek attention as `DeepseekV2Attention`
+    (the latent `kv_a_proj_with_mqa` -> `kv_a_layernorm` -> `kv_b_proj` up-projection run at
+    every step and full per-head K/V cached) instead of `DeepseekV2MLAAttention` (the latent
+    cached, `kv_b_proj` absorbed into the query/output): the same weights and, on paper, the
+    same function, decoded much faster by vLLM's CPU backend (docs/measurements/)."""
+    from eagleflow.engine.builder import build_engine
+
+    return build_engine(settings, eager=settings.device == "cpu")
+
+
+def generate_replies(llm, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+    """One batched greedy `LLM.generate` over prompt id lists: (text, finish reason, generated
+    token count) per prompt, in order. Stops at the tokenizer's end-of-turn token or after
+    `max_new_tokens`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
+        params,
+        use_tqdm=False,
+    )
+    return [
+        (o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
+        for o in outputs
+    ]
+
+
+def own_engine() -> dict:
+    """The engine record of a job that loaded its engine itself."""
+    return {"server": False, "loaded_here": True, "server_pid": None}
+
+
+@dataclass
+class Generator:
+    """A job's replies: called with prompt id lists, it returns the reply texts, in order, from
+    `replies_of` (prompt id lists -> (text, finish reason, generated tokens) per prompt), and
+    counts the finish reasons, the generated tokens and the seconds spent waiting for them.
+    `engine` is the job's engine record {server, loaded_here, server_pid}."""
+
+    replies_of: Callable[[list[list[int]]], list[tuple[str, str, int]]]
+    engine: dict = field(default_factory=own_engine)
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0})
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+
+    def __call__(self, prompts) -> list[str]:
+        t0 = time.time()
+        replies = self.replies_of(prompts)
+        for _, reason, n in replies:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.generated_tokens += n
+        self.generate_s += time.time() - t0
+        return [text for text, _, _ in replies]
+
+
+def vllm_generator(settings: EngineSettings, max_new_tokens: int) -> Generator:
+    """Greedy replies through an engine of this job's own (`start_generate_engine`)."""
+    llm = start_generate_engine(settings)
+    return Generator(lambda prompts: generate_replies(llm, prompts, max_new_tokens))
+
+
+def served_generator(client: EngineClient, max_new_tokens: int) -> Generator:
+    """Greedy replies from the shared generate engine server `client` is connected to: the
+    same `generate_replies` call, made in the server (eagleflow.regenerate.generate_server)."""
+    return Generator(lambda prompts: client.generate(prompts, max_new_tokens), engine=client.engine)
+
+
+def generator_for(
+    settings: EngineSettings, max_new_tokens: int, server: ServerSpec | None, stack: ExitStack
+) -> Callable[[], Generator]:
+    """What a regenerate_shard job hands `regenerate_source_shard`: makes its generator when the
+    shard has chunks to answer. Through the shared server of spec `server` (started if none
+    runs; the connection stays open until `stack` closes, so the server's idle clock starts when
+    the job ends), or an engine of the job's own when `server` is None."""
+
+    def make() -> Generator:
+        if server is None:
+            return vllm_generator(settings, max_new_tokens)
+        client = stack.enter_context(EngineClient(server, GENERATE_SERVER))
+        return served_generator(client, max_new_tokens)
+
+    return make
