@@ -63,9 +63,10 @@ rule reference_check:
         lambda wc: f"{hidden_dir()}/reference_check.tsv",
 
 
-# The progress report reads the manifests and a few headers: where Snakemake runs, also on a
-# cluster. With regeneration on, it reports regeneration and waits for nothing but the split
-# into source shards; extraction is reported once every source shard is regenerated.
+# The progress report reads the manifests, a few headers and the trainer's progress.json: where
+# Snakemake runs, also on a cluster. With regeneration on, it reports regeneration and waits for
+# nothing but the split into source shards; extraction and draft training are reported once
+# every source shard is regenerated.
 localrules:
     progress,
 
@@ -79,6 +80,8 @@ rule progress:
         "envs/vllm-cuda.yaml"
     params:
         extraction=progress_extraction,
+        training=progress_training,
+        draft=config["draft"],
         regenerated_dir=f"{R}/regenerated",
         max_new_tokens=REGENERATE["max_new_tokens"],
         dtype=config["extract"]["dtype"],

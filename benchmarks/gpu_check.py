@@ -10,8 +10,12 @@ what runs without it, at realistic sizes, and prints one figures table:
       in the shard layout; `check_shard_against_reference` recomputes them in float32 and
       reports per-layer error and the reference forward's throughput.
   (b) draft training (`eagleflow.draft.model` + `eagleflow.draft.train` pieces): the EAGLE-3
-      draft sized for DeepSeek-V3 / Kimi-K2 (hidden 7168) and a Llama-3-8B-sized target
-      (hidden 4096), bf16 autocast, AdamW, 3 TTT steps: step time, tokens/s, peak GPU memory.
+      draft at Kimi-K2.5's shape (hidden 7168, intermediate 18,432, one layer, 32k draft
+      vocabulary over the target's 163,840) at 4k and 8k tokens per pack, and a
+      Llama-3-8B-sized one (hidden 4096), as the trainer takes a step on one GPU: bf16
+      autocast, compiled flex attention, AdamW, 3 TTT steps; step time, tokens/s per GPU, and
+      peak GPU memory (`torch.cuda.max_memory_allocated`) against the memory plan's estimate
+      for the same workload at world size 1 (`eagleflow.draft.memory_plan.plan_memory`).
   (c) storage (`eagleflow.store.quant.states_to_host`, `eagleflow.store.direct_io`): one
       forward's states at Kimi-K2.5's widths (4 layers x 7168, bf16) brought to the host as
       the capture worker does (into pinned memory), in bf16 and quantized to fp8 on the
@@ -33,6 +37,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
@@ -41,8 +46,9 @@ import torch  # noqa: E402
 
 from eagleflow.capture.reference import check_shard_against_reference, reference_states  # noqa: E402
 from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
+from eagleflow.draft.memory_plan import GB, MemoryPlan, Workload, plan_memory  # noqa: E402
 from eagleflow.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
-from eagleflow.draft.train import TrainConfig, optimizer_step  # noqa: E402
+from eagleflow.draft.train import TrainConfig, train_step  # noqa: E402
 from eagleflow.store.direct_io import ALIGN, DirectWriter  # noqa: E402
 from eagleflow.store.quant import states_to_host  # noqa: E402
 from eagleflow.target.head import TargetHead  # noqa: E402
@@ -97,13 +103,13 @@ SMALL_TARGET = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
-# Draft targets: (name, target config fields the draft is sized from, tokens per step to try).
+# Draft targets: (name, target config fields the draft is sized from, tokens per pack to try).
+# Kimi-K2.5's text model (`text_config`): the draft the issue sizes (26), at 4k and 8k.
+KIMI_K25_TEXT = dict(
+    hidden_size=7168, intermediate_size=18432, vocab_size=163840, num_hidden_layers=61
+)
 DRAFT_CASES = [
-    (
-        "deepseek-v3 / kimi-k2",
-        dict(hidden_size=7168, intermediate_size=18432, vocab_size=129280, num_hidden_layers=61),
-        (2048, 4096),
-    ),
+    ("kimi-k2.5", KIMI_K25_TEXT, (4096, 8192)),
     (
         "llama-3-8b",
         dict(hidden_size=4096, intermediate_size=14336, vocab_size=128256, num_hidden_layers=32),
@@ -226,13 +232,55 @@ def run_reference(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def draft_step_fn(model, head, params, optim, cfg: TrainConfig, device: torch.device):
-    """One optimizer step exactly as `train_draft.train` takes it (autocast bf16 on CUDA)."""
+class DraftRig(NamedTuple):
+    """What one draft-training case trains with, built as `eagleflow.draft.train` builds it:
+    the draft (flex attention: compiled on CUDA), the target's head rows over the draft
+    vocabulary in bf16, AdamW over the trainable parameters. (A NamedTuple, not a dataclass:
+    the tests load this script without registering it as a module.)"""
 
-    def step(batch, i):
-        return optimizer_step(model, head, params, optim, cfg, batch, i, device)[0]
+    cfg: DraftConfig
+    layout: ShardLayout
+    model: Eagle3Draft
+    head: TargetHead
+    optim: torch.optim.Optimizer
+    train: TrainConfig
 
-    return step
+    @property
+    def trainable(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def step(self, batch) -> float:
+        """One optimizer step on one pack exactly as the trainer takes it (states dequantized
+        on the device, autocast bf16 on CUDA, clipped update); the pack's loss."""
+        return train_step(self.model, self.head, self.optim, self.train, [batch], 1, self.device)[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.lm_head.device
+
+    def plan(self, n_tokens: int) -> MemoryPlan:
+        """The memory plan's estimate for one rank training packs of `n_tokens` (a rig on the
+        meta device stands for the GPU run)."""
+        device_type = "cuda" if self.device.type == "meta" else self.device.type
+        return plan_memory(self.cfg, Workload(n_tokens, self.train.ttt_steps, 1, device_type))
+
+
+def draft_rig(target: dict, draft_vocab: int, device: torch.device) -> DraftRig:
+    """The draft sized for `target` (config fields) on `device` (meta: shapes only)."""
+    n_layers = target["num_hidden_layers"]
+    ids = default_layer_ids(n_layers)
+    layout = ShardLayout([], ids, n_layers, [i for i in ids if i != n_layers])
+    cfg = DraftConfig.for_target(target, draft_vocab, len(layout.aux_ids))
+    train = TrainConfig()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Eagle3Draft(cfg)
+        g = None if device.type == "meta" else torch.Generator(device).manual_seed(3)
+        rows = torch.randn(draft_vocab, cfg.hidden_size, generator=g) * 0.02
+        head = TargetHead(torch.ones(cfg.hidden_size), rows, cfg.rms_norm_eps, torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    return DraftRig(cfg, layout, model, head, optim, train)
 
 
 def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int, seed: int):
@@ -249,74 +297,60 @@ def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int
 
 
 def run_draft(args, device: torch.device) -> list[dict]:
-    """(b) draft-training step time, tokens/s and peak memory."""
+    """(b) draft-training step time, tokens/s and peak memory against the plan."""
     cases = SMALL_DRAFT_CASES if args.small else DRAFT_CASES
     draft_vocab = 256 if args.small else 32000
-    cfg = TrainConfig()
     rows = []
     for name, target, token_counts in cases:
-        L = target["num_hidden_layers"]
-        ids = default_layer_ids(L)
-        layout = ShardLayout([], ids, L, [i for i in ids if i != L])
-        dcfg = DraftConfig.for_target(target, draft_vocab, len(layout.aux_ids))
-        torch.manual_seed(0)
-        model = Eagle3Draft(dcfg).to(device)
-        g = torch.Generator().manual_seed(3)
-        head = TargetHead(
-            torch.ones(dcfg.hidden_size),
-            torch.randn(draft_vocab, dcfg.hidden_size, generator=g) * 0.02,
-            dcfg.rms_norm_eps,
-        ).to(device)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optim = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
-        step = draft_step_fn(model, head, params, optim, cfg, device)
-        trainable = sum(p.numel() for p in params) / 1e6
+        rig = draft_rig(target, draft_vocab, device)
+        cfg, steps = rig.cfg, rig.train.ttt_steps
         for n_tokens in token_counts:
             size = (
-                f"{name}: hidden {dcfg.hidden_size}, {dcfg.num_attention_heads} heads, "
-                f"{trainable:.0f}M trainable, {n_tokens} tok/step, TTT {cfg.ttt_steps}"
+                f"{name}: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
+                f"{rig.trainable / 1e6:.0f}M trainable, {n_tokens} tok/step, TTT {steps}"
             )
-            batch = synthetic_batch(target, n_tokens, layout, cfg.ttt_steps, seed=n_tokens).to(
-                device
-            )
+            plan = rig.plan(n_tokens)
+            print(f"{name}, {n_tokens} tokens: {plan.describe()}")
+            batch = synthetic_batch(target, n_tokens, rig.layout, steps, seed=n_tokens).to(device)
             reset_peak(device)
             try:
-                for i in range(args.warmup):
-                    step(batch, i)
+                for _ in range(args.warmup):
+                    rig.step(batch)
                 sync(device)
                 t0 = time.perf_counter()
-                for i in range(args.steps):
-                    loss = step(batch, args.warmup + i).detach()
+                for _ in range(args.steps):
+                    loss = rig.step(batch)
                 sync(device)
                 seconds = (time.perf_counter() - t0) / args.steps
             except torch.OutOfMemoryError:
+                figure = f"out of memory; plan {plan.total / GB:.1f} GiB"
                 rows.append(
                     {
                         "check": "draft training",
                         "size": size,
-                        "figure": "out of memory",
+                        "figure": figure,
                         "peak_gib": peak_gib(device),
                     }
                 )
-                optim.zero_grad(set_to_none=True)
+                rig.optim.zero_grad(set_to_none=True)
                 del batch
                 reset_peak(device)
                 continue
+            peak = peak_gib(device)
+            vs_plan = "" if peak is None else f", peak / plan {peak * GB / plan.total:.2f}"
             rows.append(
                 {
                     "check": "draft training",
                     "size": size,
                     "figure": (
-                        f"{n_tokens / seconds:,.0f} tok/s, {seconds * 1000:.0f} ms/step, "
-                        f"loss {loss.item():.3f}"
+                        f"{n_tokens / seconds:,.0f} tok/s per GPU, {seconds * 1000:.0f} ms/step, "
+                        f"loss {loss:.3f}; plan {plan.total / GB:.1f} GiB{vs_plan}"
                     ),
-                    "peak_gib": peak_gib(device),
+                    "peak_gib": peak,
                 }
             )
             del batch
-        del model, head, optim, params
+        del rig
     return rows
 
 

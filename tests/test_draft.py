@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleflow.draft.data import load_pack, make_packs, read_layout
+from eagleflow.draft.data import PackDataset, read_layout, sample_table
 from eagleflow.draft.export import export_draft
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.draft.train import TrainConfig, load_trained, train
@@ -27,76 +27,18 @@ from eagleflow.draft.vocab import (
     save_vocab,
     vocab_from_counts,
 )
-from eagleflow.store.quant import FP8, SCALES_KEY, quantize
+from eagleflow.store.quant import FP8
+from support.draft_fixtures import TINY_DRAFT, H, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
-H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
-LAYER_IDS = [1, 2, 3, L]
 
 
-# ---------------------------------------------------------------- fixtures: tiny target + shards
-
-
-def write_target(d: Path, seed=0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    d.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": H,
-        "vocab_size": V,
-        "num_hidden_layers": L,
-        "intermediate_size": 64,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 256,
-    }
-    (d / "config.json").write_text(json.dumps(config))
-    save_file(
-        {
-            "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
-            "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
-            "lm_head.weight": torch.randn(V, H, generator=g).bfloat16(),
-            "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2).bfloat16(),  # never read
-        },
-        str(d / "model.safetensors"),
-    )
-    return d
-
-
-def write_shard(
-    path: Path, n_samples: int, seed: int, layer_ids=LAYER_IDS, vocab_hi=V, storage_dtype=None
-):
-    """A shard whose final state is a function of the next token (so there is something to
-    learn); `storage_dtype` float8_e4m3fn stores it quantized, with its scales."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(6, 14, (n_samples,), generator=g)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    n = int(offsets[-1])
-    ids = torch.randint(0, vocab_hi, (n,), generator=g)
-    mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
-    table = torch.randn(V, len(layer_ids), H, generator=torch.Generator().manual_seed(99))
-    hidden = table[ids] + 0.05 * torch.randn(n, len(layer_ids), H, generator=g)
-    states = {"hidden_states": hidden.bfloat16()}
-    if storage_dtype == FP8:
-        states["hidden_states"], states[SCALES_KEY] = quantize(states["hidden_states"])
-    save_file(
-        {
-            **states,
-            "input_ids": ids,
-            "loss_mask": mask,
-            "offsets": offsets,
-        },
-        str(path),
-        metadata={
-            "layer_ids": json.dumps(layer_ids),
-            "layer_id_convention": "vllm",
-            "format": "eagleflow-hidden-v1",
-            "fingerprint": "0" * 16,
-            "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)]),
-            **({"storage_dtype": storage_dtype} if storage_dtype else {}),
-        },
-    )
-    return path
+def first_pack(shards, steps=3):
+    """The batch of every sample of shard 0, as one pack."""
+    layout = read_layout(shards, L)
+    table = sample_table(layout.paths)
+    first = tuple(int(i) for i in range(len(table.shard)) if table.shard[i] == 0)
+    return PackDataset(layout, table, steps)[first]
 
 
 @pytest.fixture
@@ -201,8 +143,7 @@ def test_batch_alignment_matches_speculators_shift(tiny):
     target, shards = tiny
     layout = read_layout(shards, L)
     assert layout.aux_ids == [1, 2, 3] and layout.final_id == L
-    pack = make_packs(layout.paths, 10_000)[0]
-    b = load_pack(layout, pack, 3)
+    b = first_pack(shards)
     with safe_open(str(shards[0]), framework="pt") as f:
         ids, mask, offsets = (
             f.get_tensor("input_ids"),
@@ -212,33 +153,44 @@ def test_batch_alignment_matches_speculators_shift(tiny):
         hidden = f.get_tensor("hidden_states").float()
     end0 = int(offsets[1])
     t = 2  # an anchor inside sample 0
-    assert torch.equal(b.aux[t], hidden[t, :3].flatten())
+    aux, final = b.values()
+    assert torch.equal(aux[t], hidden[t, :3].flatten()) and torch.equal(final[t], hidden[t, 3])
     for k in range(3):
         assert b.tokens[k, t] == ids[t + 1 + k]
         assert b.target_index[k, t] == t + 1 + k
         assert bool(b.valid[k, t]) == bool(mask[t + 1 + k])
     assert not b.valid[:, end0 - 1].any()  # the last token of a sample has no next token
     assert b.positions[end0] == 1 and b.positions[t] == t + 1
+    # every loss-masked token but a sample's first is a target of step 0
+    starts = set(offsets[:-1].tolist())
+    assert b.trained_tokens == sum(int(mask[i]) for i in range(len(ids)) if i not in starts)
 
 
 # ---------------------------------------------------------------- training
 
 
 def run_train(tiny, out, steps, stop_after=None, ckpt_every=4, seed=0, lr=3e-3):
+    """`steps` steps of one pack each (max_steps over many epochs), validated at the end."""
     target, shards = tiny
     vocab = build_draft_vocab(shards, V, 48)
     cfg = TrainConfig(
-        steps=steps,
+        epochs=100,
+        max_steps=steps,
+        batch_packs=1,
         ttt_steps=3,
         lr=lr,
-        warmup_steps=2,
+        warmup_ratio=2 / max(steps, 4),
+        min_lr_ratio=0.1,
+        weight_decay=0.0,
+        grad_clip=1.0,
         max_tokens=64,
-        ckpt_every=ckpt_every,
+        save_every=ckpt_every,
+        eval_every=0,
         seed=seed,
+        num_workers=1,
         device="cpu",
     )
-    overrides = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return train(shards, target, vocab, out, cfg, overrides, stop_after=stop_after)
+    return train(shards, target, vocab, out, cfg, TINY_DRAFT, stop_after=stop_after)
 
 
 def test_ttt_loss_decreases(tiny, tmp_path):
@@ -262,12 +214,14 @@ def test_trainer_runs_on_fp8_shards(tiny, tmp_path):
         write_shard(tmp_path / f"fp8-{i}.safetensors", 12, seed=i, storage_dtype=FP8)
         for i in range(2)
     ]
-    layout_bf16, layout_fp8 = read_layout(bf16_shards, L), read_layout(fp8_shards, L)
-    pack = make_packs(layout_fp8.paths, 10_000)[0]
-    assert pack == make_packs(layout_bf16.paths, 10_000)[0]
-    a, b = load_pack(layout_bf16, pack, 3), load_pack(layout_fp8, pack, 3)
-    assert b.aux.dtype == torch.float32 and torch.equal(a.tokens, b.tokens)
-    for x, y in ((a.aux, b.aux), (a.final, b.final)):
+    a, b = first_pack(bf16_shards), first_pack(fp8_shards)
+    # fp8 packs hold the codes and their scales (what crosses to the device), dequantized there
+    assert a.states.dtype == torch.bfloat16 and not a.scales.numel()
+    assert b.states.dtype == torch.float8_e4m3fn and b.scales.shape == b.states.shape[:2]
+    assert torch.equal(a.tokens, b.tokens)
+    (a_aux, a_final), (b_aux, b_final) = a.values(), b.values()
+    assert b_aux.dtype == torch.float32
+    for x, y in ((a_aux, b_aux), (a_final, b_final)):
         rel = (y - x).norm(dim=-1) / x.norm(dim=-1)
         assert rel.max() < 0.07 and not torch.equal(x, y)
     run_train((target, fp8_shards), tmp_path / "fp8", steps=60, ckpt_every=60, lr=1e-2)
@@ -288,7 +242,7 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
     # "crash" after step 7: the last checkpoint is step 4, steps 5-7 are lost and redone
     first = run_train(tiny, tmp_path / "crashed", steps=10, stop_after=7)
     assert first["end_step"] == 7
-    assert torch.load(tmp_path / "crashed" / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert [d.name for d in (tmp_path / "crashed" / "checkpoints").iterdir()] == ["step-00000004"]
     second = run_train(tiny, tmp_path / "crashed", steps=10)
     assert second["start_step"] == 4
     a, _ = load_trained(tmp_path / "straight")
@@ -390,60 +344,104 @@ def test_export_refuses_disagreeing_shards_or_ids(tiny, tmp_path):
 # ---------------------------------------------------------------- vLLM loads the export
 
 
-@pytest.mark.vllm
-def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, tmp_path):
-    """`snakemake` (rule all) on a copy of the extracted small default: no re-extraction; the
-    draft vocabulary, a short training run, the export, and `evaluate`, which loads target +
-    exported draft in vLLM (method eagle3) on held-out prompts and runs the reference loop;
-    then `--report` holds the training curves, the acceptance plot and the verification table."""
-    from eagleflow.data.heldout import is_heldout
-    from support.workflow_runner import (
-        SMALL,
-        copy_workdir,
-        hidden_dir,
-        job_counts,
-        merged,
-        snakemake,
-    )
+# A short training run of the small default's draft: 12 steps of 2 packs (so 1 or 2 ranks take
+# the same steps), validated and checkpointed every 6; evaluated on 3 held-out prompts.
+DRAFT_RUN = {
+    "draft": {
+        "vocab_size": 256,
+        "max_steps": 12,
+        "batch_packs": 2,
+        "save_every": 6,
+        "eval_every": 6,
+        "max_tokens": 256,
+        "warmup_ratio": 0.2,
+    },
+    "evaluate": {
+        "num_prompts": 3,
+        "max_tokens": 10,
+        "speculative_tokens": 2,
+        "paths": ["vllm_eagle3", "reference"],
+    },
+}
 
-    work = copy_workdir(extracted_workdir, tmp_path / "run")
-    config = merged(
-        SMALL,
-        {
-            "draft": {
-                "vocab_size": 256,
-                "steps": 12,
-                "ckpt_every": 6,
-                "max_tokens": 512,
-                "warmup_steps": 2,
-            },
-            "evaluate": {
-                "num_prompts": 3,
-                "max_tokens": 10,
-                "speculative_tokens": 2,
-                "paths": ["vllm_eagle3", "reference"],
-            },
-        },
-    )
-    proc = snakemake(work, config=config)
+
+def draft_run(extracted_workdir, work, override=None):
+    """`snakemake` (rule all) on a copy of the extracted small default; the run's config."""
+    from support.workflow_runner import SMALL, copy_workdir, merged, snakemake
+
+    copy_workdir(extracted_workdir, work)
+    config = merged(merged(SMALL, DRAFT_RUN), override or {})
+    return snakemake(work, config=config), config
+
+
+@pytest.fixture(scope="module")
+def one_rank(extracted_workdir, tmp_path_factory):
+    """The draft of the small default trained, exported and evaluated at one rank."""
+    work = tmp_path_factory.mktemp("draft-one-rank") / "run"
+    proc, config = draft_run(extracted_workdir, work)
+    return work, proc, config
+
+
+def draft_outputs(work: Path) -> dict:
+    from support.workflow_runner import hidden_dir
+
+    fp = hidden_dir(work).name
+    train = work / "results" / "draft" / fp / "train"
+    with open(train / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    return {
+        "fp": fp,
+        "train": train,
+        "summary": json.loads((train / "summary.json").read_text()),
+        "losses": [float(r["loss"]) for r in metrics],
+        "steps": [int(r["step"]) for r in metrics],
+        "acceptance": json.loads((work / "results" / "eval" / fp / "acceptance.json").read_text()),
+        "log": (work / "results" / "logs" / "train_draft" / f"{fp}.log").read_text(),
+    }
+
+
+@pytest.mark.vllm
+def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
+    """`snakemake` (rule all) on a copy of the extracted small default: no re-extraction; the
+    draft vocabulary, a short training run, the export of its best draft, and `evaluate`,
+    which loads target + exported draft in vLLM (method eagle3) on held-out prompts and runs
+    the reference loop; then `--report` holds the training curves, the acceptance plot and
+    the verification table."""
+    from eagleflow.data.heldout import is_heldout
+    from support.workflow_runner import hidden_dir, job_counts, snakemake
+
+    work, proc, config = one_rank
     counts = job_counts(proc.stdout + proc.stderr)
     assert "extract_shard" not in counts and "shard" not in counts, counts
     assert all(
         counts.get(r) == 1 for r in ("draft_vocab", "train_draft", "export_draft", "evaluate")
     ), counts
-    fp = hidden_dir(work).name
+    out = draft_outputs(work)
     results = work / "results"
     layer_ids = json.loads((hidden_dir(work) / "capture_plan.json").read_text())["layer_ids"]
-    export = json.loads((results / "draft" / fp / "export" / "config.json").read_text())
+    export = json.loads((results / "draft" / out["fp"] / "export" / "config.json").read_text())
     assert (
         export["eagle_aux_hidden_state_layer_ids"] == layer_ids[:-1]
         and export["draft_vocab_size"] == 256
     )
-    vocab = json.loads((results / "draft" / fp / "vocab.json").read_text())
+    vocab = json.loads((results / "draft" / out["fp"] / "vocab.json").read_text())
     assert 0.5 < vocab["coverage"] <= 1 and 0 < vocab["heldout_coverage"] <= 1
-    with open(results / "draft" / fp / "train" / "metrics.csv") as f:
-        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 13))
-    report = json.loads((results / "eval" / fp / "acceptance.json").read_text())
+    assert out["steps"] == list(range(1, 13))
+    with open(out["train"] / "validation.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [6, 12]
+    summary = out["summary"]
+    assert summary["world_size"] == 1 and summary["samples_cut"] == 0
+    assert summary["parallelism"] == "single process" and summary["end_step"] == 12
+    assert summary["best_step"] in (6, 12) and summary["simulated_acceptance_length"]["total"] >= 1
+    best = json.loads((out["train"] / "best" / "draft.json").read_text())
+    assert (
+        best["step"] == summary["best_step"]
+        and (out["train"] / "best" / "model.safetensors").is_file()
+    )
+    # the trainer's checkpoints stay outside the outputs (train.work/), one kept
+    work_dir = out["train"].parent / "train.work"
+    assert [d.name for d in (work_dir / "checkpoints").iterdir()] == ["step-00000012"]
+    report = out["acceptance"]
     assert report["k"] == 2 and all(is_heldout(s) for s in report["heldout"]["sample_ids"])
     eagle, ref = report["results"]["vllm_eagle3"], report["results"]["reference"]
     assert "error" not in eagle, eagle.get("stderr_tail")
@@ -453,10 +451,32 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(extracted_workdir, t
     assert (
         0 <= agreement["identical_prompts"] <= 1 and 0 <= agreement["tokens_before_divergence"] <= 1
     )
+    print(f"one rank: eagle3 acceptance length {eagle['acceptance_length']:.3f}")
     html = work / "report.html"
     snakemake(work, "--report", str(html), config=config)
     text = html.read_text(errors="replace")
     assert all(name in text for name in ("curves.png", "acceptance.png", "verify_summary.tsv"))
+
+
+@pytest.mark.vllm
+def test_two_ranks_train_through_the_rule_as_one_rank_does(extracted_workdir, one_rank, tmp_path):
+    """`draft: {processes_per_node: 2}`: train_draft starts 2 ranks under torchrun (FSDP on
+    gloo) on the same extraction; with the same global batch and seed they take the steps the
+    one-rank run took, every sample is trained, and the exported draft is evaluated."""
+    override = {"draft": {"processes_per_node": 2}, "evaluate": {"paths": ["vllm_eagle3"]}}
+    draft_run(extracted_workdir, tmp_path / "run", override)
+    two, one = draft_outputs(tmp_path / "run"), draft_outputs(one_rank[0])
+    summary = two["summary"]
+    assert summary["world_size"] == 2 and summary["parallelism"] == "fsdp (gloo)", summary
+    assert summary["samples_cut"] == 0 and summary["micro_steps_per_rank"] == 1
+    assert "torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2" in two["log"]
+    assert two["steps"] == one["steps"]
+    torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-4, atol=0)
+    for key in ("tokens_trained", "samples_trained", "best_step"):
+        assert summary[key] == one["summary"][key], key
+    al = [r["acceptance"]["results"]["vllm_eagle3"]["acceptance_length"] for r in (one, two)]
+    print(f"eagle3 acceptance length: one rank {al[0]:.3f}, two ranks {al[1]:.3f}")
+    assert al[1] == pytest.approx(al[0], abs=0.1)
 
 
 def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
@@ -604,8 +624,22 @@ def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
                 seg = slice(offsets[i], offsets[i + 1])
                 expected += torch.bincount(ids[seg][mask[seg]], minlength=V)
     assert held_rows and train_rows
-    packed = {(s, r) for s, a, b in make_packs(shards, 40, exclude=exclude) for r in range(a, b)}
-    assert packed == train_rows  # every training row once the packs are cut, no held-out row
+    from eagleflow.draft.data import HeldoutSampler, PackPlan
+
+    table = sample_table(shards, exclude)
+    plan = PackPlan(table, 40, 1, seed=0)
+
+    def rows_of(samples):
+        return {
+            (int(table.shard[i]), r)
+            for i in samples
+            for r in range(table.start[i], table.start[i] + table.length[i])
+        }
+
+    packed = [plan.pack(0, p) for p in range(plan.num_packs(0))]
+    assert sorted(i for pack in packed for i in pack) == sorted(table.train.tolist())
+    assert rows_of(i for pack in packed for i in pack) == train_rows  # every row, none held out
+    assert rows_of(i for pack in HeldoutSampler(table, 40, 0, 1) for i in pack) == held_rows
     assert torch.equal(count_masked_tokens(shards, V, exclude=exclude), expected)
 
 

@@ -2,9 +2,12 @@
 paths run end to end at tiny sizes and print the figures table (the real run needs a GPU)."""
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +38,35 @@ def test_gpu_check_smoke_mode_on_cpu(capsys, tmp_path):
     # The rows lie in page-aligned memory: where the filesystem takes O_DIRECT, none is copied.
     assert "(0 MiB direct" in write_rows[0] or "of which 0 MiB copied" in write_rows[0]
     assert list(tmp_path.iterdir()) == []  # the written files are removed
+
+
+def test_gpu_check_draft_rig_at_kimi_shape_on_meta():
+    """The training part's set-up at the shape the GPU run trains (Kimi-K2.5's draft), built
+    without memory, and the plan its peak is compared with."""
+    g = load_gpu_check()
+    assert ("kimi-k2.5", g.KIMI_K25_TEXT, (4096, 8192)) in g.DRAFT_CASES
+    rig = g.draft_rig(g.KIMI_K25_TEXT, 32000, torch.device("meta"))
+    cfg = rig.cfg
+    assert (cfg.hidden_size, cfg.intermediate_size, len(rig.model.layers)) == (7168, 18432, 1)
+    assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.num_aux) == (163840, 32000, 3)
+    assert cfg.attention == "flex" and rig.train.ttt_steps == 3
+    assert rig.head.lm_head.shape == (32000, 7168) and rig.head.lm_head.dtype == torch.bfloat16
+    for n_tokens in (4096, 8192):
+        plan = rig.plan(n_tokens)
+        assert plan.workload == g.Workload(n_tokens, 3, 1, "cuda")
+        assert plan.trainable_params == rig.trainable
+        assert 20 * g.GB < plan.total < 0.9 * 79 * g.GB  # fits an H100 without checkpointing
+
+
+def test_gpu_check_draft_rig_steps_at_a_tiny_shape_on_cpu():
+    g = load_gpu_check()
+    name, target, (n_tokens,) = g.SMALL_DRAFT_CASES[0]
+    rig = g.draft_rig(target, 256, torch.device("cpu"))
+    batch = g.synthetic_batch(target, n_tokens, rig.layout, rig.train.ttt_steps, seed=0)
+    before = rig.model.fc.weight.detach().clone()
+    assert math.isfinite(rig.step(batch))
+    assert not torch.equal(before, rig.model.fc.weight)
+    assert rig.plan(n_tokens).workload.device_type == "cpu"
 
 
 def test_gpu_check_imports_without_vllm():

@@ -2,7 +2,7 @@
 (tests/slurm/cluster.sh): the embedded default goes through sbatch, a damaged shard fails its
 job (retried with more time, then reported with its log), a rerun after the fix runs only what
 failed, and a final rerun submits nothing. CPU regeneration and extraction run inside jobs that
-were given (fake) GPUs.
+were given (fake) GPUs; train_draft runs as one job of 2 tasks, one rank each.
 
 Needs root and apt (the cluster script installs SLURM); if the cluster cannot come up, the
 tests fail. Marked `slurm` and left out of a quick run: the whole default runs as jobs."""
@@ -185,8 +185,8 @@ def runs(slurm_cluster, profile_home, tmp_path_factory):
     with open(tokens, "r+b") as f:
         f.truncate(header_len + 16)
 
-    # `extract`: the extraction chain is what runs on GPU nodes (rule all's draft training asks
-    # for more CPUs than this one-node test cluster has).
+    # `extract`: the extraction chain is what runs on GPU nodes (draft training runs through
+    # SLURM in its own test below).
     runs["failed"] = p = snakemake_slurm(workdir, profile_home, "extract")
     assert p.returncode != 0, fail_msg(p)
 
@@ -294,6 +294,50 @@ def test_rerun_submits_nothing(runs):
     p = runs["again"]
     assert "Nothing to be done" in p.out, p.out[-3000:]
     assert not p.submitted
+
+
+def test_train_draft_runs_as_one_job_with_a_task_per_rank(runs, profile_home):
+    """`draft: {processes_per_node: 2}` on the CPU: train_draft is one SLURM job of 2 tasks
+    (`--ntasks-per-node=2`, one CPU each, no GPU), its script starts the ranks as the tasks of
+    one srun step (eagleflow.draft.launch), and they train with FSDP on gloo."""
+    workdir = runs["workdir"]
+    fp = hidden_dir(workdir).name
+    config = merged(
+        CONFIG,
+        {
+            "draft": {
+                "processes_per_node": 2,
+                "num_workers": 0,  # one CPU per rank: the node has 2
+                "vocab_size": 256,
+                "max_steps": 4,
+                "batch_packs": 2,
+                "max_tokens": 256,
+                "save_every": 2,
+                "eval_every": 2,
+            }
+        },
+    )
+    p = snakemake_slurm(
+        workdir, profile_home, f"results/draft/{fp}/train/summary.json", config=config
+    )
+    assert p.returncode == 0, fail_msg(p)
+    (job,) = [j for j, log in p.submitted if "/rule_train_draft/" in log]
+    (record,) = sacct([job]).values()
+    assert record["state"] == "COMPLETED" and "gres/gpu" not in record["tres"], record
+    assert "cpu=2" in record["tres"] and "node=1" in record["tres"], record
+    steps = subprocess.run(
+        ["sacct", "-n", "-P", "-j", str(job), "-o", "JobID,NTasks,State"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    # the batch step runs Snakemake and the script; step 0 is the ranks' srun
+    assert f"{job}.0|2|COMPLETED" in steps, steps
+    summary = json.loads((workdir / f"results/draft/{fp}/train/summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["parallelism"] == "fsdp (gloo)", summary
+    assert summary["samples_cut"] == 0 and summary["end_step"] == 4
+    log = (workdir / "results" / "logs" / "train_draft" / f"{fp}.log").read_text()
+    assert "2 rank(s): srun --kill-on-bad-exit=1 --nodes=1 --ntasks=2" in log
 
 
 def test_grouped_extract_jobs_share_one_allocation_and_one_model_load(runs, profile_home):

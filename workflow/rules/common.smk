@@ -255,3 +255,16 @@ def progress_extraction(wildcards):
         "layer_ids": layer_ids(),
         "hidden_size": read_target(TARGET).hidden_size,
     }
+
+
+def progress_training(wildcards):
+    """What the draft training report needs (the current extraction's trainer work directory),
+    once sharding can be done; None before."""
+    if REGENERATE["enabled"] and not regeneration_done():
+        return None
+    fp = os.path.basename(hidden_dir())
+    return {
+        "work_dir": f"{R}/draft/{fp}/train.work",
+        "ranks": TRAIN_JOB.ranks,
+        "heldout_modulus": config["data"]["heldout_modulus"],
+    }

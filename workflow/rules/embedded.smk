@@ -1,4 +1,6 @@
-# The embedded default: a bundled chat dataset and a tiny DeepseekV3 target, both built here.
+# The embedded default: a bundled chat dataset (real conversations from the pinned
+# chitchat-dataset package, or the synthetic task families) and a tiny DeepseekV3 target,
+# both built here.
 # Seconds of work each: on a cluster they run where Snakemake runs, not as jobs.
 
 
@@ -17,8 +19,7 @@ rule bundled_dataset:
     conda:
         CONDA_ENV
     params:
-        n=config["data"]["bundled_conversations"],
-        seed=config["data"]["bundled_seed"],
+        data={k: v for k, v in config["data"].items() if k.startswith("bundled_")},
     script:
         "../scripts/bundled_dataset.py"
 

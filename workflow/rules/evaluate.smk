@@ -24,7 +24,17 @@ rule evaluate:
         f"{R}/benchmarks/evaluate/{{fp}}.tsv"
     conda:
         CONDA_ENV
-    threads: all_cores_or(8)
+    # Its engine is an extract job's (TP x PP of extract, on extract.nodes nodes): the same
+    # GPUs, CPUs and memory; a runtime from a target load per path and the greedy tokens
+    # (resources.smk, eagleflow.draft.resources).
+    threads: extract_threads
+    resources:
+        gpu=jobres.extract_gpu_resource(EXTRACT),
+        gres=jobres.extract_gres(EXTRACT),
+        nodes=jobres.extract_nodes(EXTRACT),
+        cpus_per_task=jobres.extract_cpus(EXTRACT),
+        mem_mb=extract_mem_mb,
+        runtime=evaluate_runtime,
     params:
         target=TARGET,
         export=lambda wildcards, input: os.path.dirname(input.config),

@@ -1,6 +1,8 @@
 # Cluster resources, read by snakemake-executor-plugin-slurm (docs/slurm.md);
-# on one machine only `threads` matters. The logic is in eagleflow.extract.resources, the
-# measured rates in eagleflow.extract.rates (as `snakemake progress` reads them).
+# on one machine only `threads` matters (and train_draft's `mpi`). The logic is in
+# eagleflow.extract.resources and eagleflow.draft.resources, the measured rates in
+# eagleflow.extract.rates and the trainer's progress.json (as `snakemake progress` reads them).
+import eagleflow.draft.resources as trainres
 import eagleflow.extract.resources as jobres
 from eagleflow.extract.rates import extraction_timings, measure, regeneration_timings
 
@@ -96,3 +98,111 @@ def all_cores_or(n):
 SHARDS_PER_ALLOCATION = EXTRACT["shards_per_allocation"]
 EXTRACT_GROUP = "extract" if SHARDS_PER_ALLOCATION > 1 else None
 REGENERATE_GROUP = "regenerate" if SHARDS_PER_ALLOCATION > 1 else None
+
+
+# Draft training (train.smk): draft.nodes x draft.processes_per_node ranks, asked for as SLURM
+# tasks with their GPUs and CPUs; memory from the draft's memory plan; a runtime from the
+# tokens to train at the rate this run measured (its progress.json), else
+# draft.tokens_per_second_per_rank (eagleflow.draft.resources, docs/slurm.md).
+DRAFT_SETTINGS = config["draft"]
+TRAIN_JOB = trainres.TrainJob.from_config(DRAFT_SETTINGS, EXTRACT)
+TRAIN_SLURM = TRAIN_JOB.slurm()
+
+
+def train_mpi(wildcards):
+    """`srun` when the ranks start as the tasks of the job's SLURM allocation (more than one
+    rank, under the cluster executor: where Snakemake submits the job, and in the job itself,
+    whose Snakemake runs in remote mode); empty on this machine, where torchrun starts them.
+    """
+    if workflow.local_exec and not workflow.remote_exec:
+        return ""
+    return TRAIN_SLURM["mpi"]
+
+
+def train_threads(wildcards):
+    """Every core locally (shared by the ranks); on a cluster, every rank's CPUs of a node."""
+    return (
+        local_cores(wildcards) or TRAIN_JOB.cpus_per_rank * TRAIN_JOB.processes_per_node
+    )
+
+
+@cache
+def training_tokens():
+    """What one epoch trains (the token manifest: training samples' loss-masked tokens)."""
+    import pandas as pd
+    from eagleflow.data.heldout import excluder
+
+    columns = ["sample_id", "n_tokens", "n_loss_tokens"]
+    return trainres.TrainingTokens.from_manifest(
+        pd.read_parquet(shard_manifest(), columns=columns),
+        excluder(config["data"]["heldout_modulus"]),
+        DRAFT_SETTINGS["max_sample_tokens"],
+    )
+
+
+def train_runtime(wildcards, attempt):
+    """Minutes: epochs x the training tokens, at the rate this run's checkpoints measured
+    (progress.json), else draft.tokens_per_second_per_rank, on every rank; x attempt."""
+    progress = trainres.read_progress(f"{R}/draft/{wildcards.fp}/train.work")
+    rate = trainres.measured_rate_per_rank(progress)
+    return trainres.train_runtime_minutes(
+        training_tokens().to_train(DRAFT_SETTINGS),
+        rate or DRAFT_SETTINGS["tokens_per_second_per_rank"],
+        TRAIN_JOB.ranks,
+        attempt,
+    )
+
+
+@cache
+def train_memory_plan():
+    """The draft's per-device memory plan at the target's shape and the longest pack (samples
+    are at most data.max_length tokens), at the job's world size."""
+    from eagleflow.draft.memory_plan import Workload, draft_config_for, plan_memory
+    from eagleflow.target.head import read_target_config
+
+    target = read_target_config(TARGET)
+    draft = draft_config_for(
+        target,
+        min(DRAFT_SETTINGS["vocab_size"], int(target["vocab_size"])),
+        len(layer_ids()) - 1,
+        attention=DRAFT_SETTINGS["attention"],
+        activation_checkpointing=DRAFT_SETTINGS["activation_checkpointing"],
+    )
+    longest = config["data"]["max_length"]
+    if DRAFT_SETTINGS["max_sample_tokens"]:
+        longest = min(longest, DRAFT_SETTINGS["max_sample_tokens"])
+    workload = Workload(
+        max(DRAFT_SETTINGS["max_tokens"], longest),
+        DRAFT_SETTINGS["ttt_steps"],
+        TRAIN_JOB.ranks,
+        TRAIN_JOB.device,
+    )
+    return plan_memory(draft, workload)
+
+
+def train_mem_mb(wildcards):
+    """Host memory per node: every rank's packs in flight, overhead, and on CPU its plan."""
+    return trainres.host_mem_mb(
+        train_memory_plan(),
+        DRAFT_SETTINGS["num_workers"],
+        DRAFT_SETTINGS["prefetch_factor"],
+        TRAIN_JOB.processes_per_node,
+    )
+
+
+def evaluate_runtime(wildcards, attempt):
+    """Minutes: a target load per evaluate.paths entry (the measured extraction load, else
+    extract.model_load_minutes) and their greedy tokens at the measured regeneration rate,
+    else data.regenerate.tokens_per_second; x attempt."""
+    measured = measured_rates(wildcards.fp)
+    load = (
+        measured.load_seconds / 60
+        if measured.load_seconds
+        else EXTRACT["model_load_minutes"]
+    )
+    return trainres.evaluate_runtime_minutes(
+        config["evaluate"],
+        load,
+        measured_regeneration().tokens_per_second or REGENERATE["tokens_per_second"],
+        attempt,
+    )

@@ -1,8 +1,11 @@
 # Draft: vocabulary from the loss-masked tokens, TTT training, speculators-format export.
 # Inputs are every verified shard of extraction {fp}; outputs go under results/draft/{fp}/.
-# The trainer works in train.work/ (not an output, so a crashed job's checkpoint survives
-# Snakemake's cleanup) and resumes from there when the checkpoint is this run's (same seed,
-# settings, draft and shards; eagleflow.draft.train.training_recipe).
+# The trainer works in train.work/ (not an output, so a crashed or timed-out job's checkpoint
+# survives Snakemake's cleanup) and resumes from there when the checkpoint is this run's
+# (same seed, recipe, draft and shards; eagleflow.draft.train.training_recipe), at any world
+# size; train/best/ is the draft with the best simulated acceptance length, what export reads.
+
+from eagleflow.draft.launch import recipe_settings
 
 DRAFT = f"{R}/draft/{{fp}}"
 DRAFT_CFG = config["draft"]
@@ -34,8 +37,10 @@ rule train_draft:
         shards=per_shard(".safetensors"),
         vocab=f"{DRAFT}/vocab.safetensors",
     output:
-        checkpoint=f"{DRAFT}/train/checkpoint.pt",
+        best=directory(f"{DRAFT}/train/best"),
+        summary=f"{DRAFT}/train/summary.json",
         metrics=f"{DRAFT}/train/metrics.csv",
+        validation=f"{DRAFT}/train/validation.csv",
         curves=report(
             f"{DRAFT}/train/curves.png",
             caption="../report/draft_training.rst",
@@ -47,18 +52,39 @@ rule train_draft:
         f"{R}/benchmarks/train_draft/{{fp}}.tsv"
     conda:
         CONDA_ENV
-    threads: all_cores_or(8)
+    # draft.nodes x draft.processes_per_node ranks: torchrun on this machine, or one srun task
+    # per rank in the job's SLURM allocation (eagleflow.draft.launch); the job asks for them,
+    # their GPUs, CPUs and memory, and a runtime sized from the tokens to train and the rate
+    # (resources.smk, eagleflow.draft.resources, docs/slurm.md).
+    threads: train_threads
+    resources:
+        nodes=TRAIN_SLURM["nodes"],
+        gpu=TRAIN_SLURM["gpu"],
+        gres=TRAIN_SLURM["gres"],
+        mpi=train_mpi,
+        tasks_per_node=TRAIN_SLURM["tasks_per_node"],
+        tasks=TRAIN_SLURM["tasks"],
+        tasks_per_gpu=TRAIN_SLURM["tasks_per_gpu"],
+        cpus_per_task=TRAIN_SLURM["cpus_per_task"],
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+    # The settings that decide the weights or the run's extent (a change re-runs the job,
+    # which resumes or restarts); the script reads the others (launch, validation and
+    # checkpoint intervals, data loading) from the config.
     params:
         target=TARGET,
         workdir=f"{DRAFT}/train.work",
-        train={**DRAFT_CFG, "heldout_modulus": config["data"]["heldout_modulus"]},
+        recipe={
+            **recipe_settings(DRAFT_CFG),
+            "heldout_modulus": config["data"]["heldout_modulus"],
+        },
     script:
         "../scripts/train_draft.py"
 
 
 rule export_draft:
     input:
-        checkpoint=f"{DRAFT}/train/checkpoint.pt",
+        best=f"{DRAFT}/train/best",
         shards=per_shard(".safetensors"),
     output:
         config=f"{DRAFT}/export/config.json",

@@ -4,19 +4,22 @@ from eagleflow.draft.export import export_draft
 from eagleflow.draft.train import load_trained
 from eagleflow.logs import redirect_to_log
 
+# input.best: the trainer's `best/` (the draft with the best simulated acceptance length);
+# its frozen embedding is read again from the target.
 with redirect_to_log(snakemake.log[0]):
-    draft, ckpt = load_trained(snakemake.input.checkpoint)
+    draft, meta = load_trained(snakemake.input.best, target_dir=snakemake.params.target)
     config = export_draft(
         draft,
-        ckpt["aux_ids"],
+        meta["aux_ids"],
         sorted(snakemake.input.shards),
         snakemake.params.target,
         snakemake.params.outdir,
         speculative_tokens=snakemake.params.speculative_tokens,
         provenance={
             "fingerprint": snakemake.wildcards.fp,
-            "trained_steps": ckpt["step"],
-            "vocab": ckpt["vocab"],
+            "trained_steps": meta["step"],
+            "simulated_acceptance_length": meta["simulated_acceptance_length"],
+            "vocab": meta["vocab"],
         },
     )
     print(json.dumps(config, indent=1))

@@ -2,6 +2,7 @@ import json
 
 import pandas as pd
 
+from eagleflow.draft.progress import format_training_progress, training_progress
 from eagleflow.extract.progress import (
     extraction_progress,
     format_progress,
@@ -34,6 +35,17 @@ else:
         snakemake.params.storage_dtype,
     )
     parts.append(format_progress(progress))
+training = snakemake.params.training
+if training is not None:
+    columns = ["sample_id", "n_tokens", "n_loss_tokens"]
+    plan = training_progress(
+        pd.read_parquet(snakemake.input.manifest, columns=columns),
+        training["work_dir"],
+        snakemake.params.draft,
+        training["ranks"],
+        training["heldout_modulus"],
+    )
+    parts.append(format_training_progress(plan))
 text = "\n".join(parts)
 print(text)  # to the terminal: this target exists to be read
 with redirect_to_log(snakemake.log[0]):

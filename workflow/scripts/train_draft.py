@@ -1,30 +1,66 @@
-import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from eagleflow.draft.train import CHECKPOINT, CURVES, METRICS, TrainConfig, train
+from eagleflow.draft import launch
+from eagleflow.draft.checkpoint import BEST
+from eagleflow.draft.memory_plan import MemoryPlanError
+from eagleflow.draft.train import CURVES, METRICS, SUMMARY, VALIDATION
 from eagleflow.draft.vocab import load_vocab
-from eagleflow.logs import redirect_to_log
+from eagleflow.logs import UserError, redirect_to_log
 
-# The trainer works in params.workdir (not a declared output, so Snakemake never deletes it
-# after a crash) and resumes from its checkpoint there; the outputs are copied at the end.
+# Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.draft.launch): with
+# torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
+# resources hold `mpi`). The trainer works in params.workdir (not a declared output, so
+# Snakemake never deletes it after a crash) and resumes from its latest checkpoint there; the
+# outputs are copied at the end: `best` (the directory export reads), metrics, validation,
+# curves, summary.
+FILES = {"best": BEST, "metrics": METRICS, "validation": VALIDATION, "curves": CURVES}
+FILES["summary"] = SUMMARY
+
 with redirect_to_log(snakemake.log[0]):
+    config = snakemake.config
     work = Path(snakemake.params.workdir)
-    settings = dict(snakemake.params.train)
-    cfg = TrainConfig(
-        **{k: v for k, v in settings.items() if k in TrainConfig.__dataclass_fields__}
+    shards = sorted(snakemake.input.shards)
+    try:
+        run = launch.Launch.for_job(
+            config["draft"],
+            config["extract"],
+            srun=bool(snakemake.resources.get("mpi")),
+            threads=snakemake.threads,
+        )
+        cfg, overrides = launch.train_settings(
+            config["draft"], config["data"]["heldout_modulus"], run.device
+        )
+        launch.preflight(
+            shards,
+            snakemake.params.target,
+            load_vocab(snakemake.input.vocab),
+            cfg,
+            overrides,
+            run,
+            log=lambda line: None,  # the trainer logs the plan; a refusal is the sentence
+        )
+    except (launch.LaunchError, MemoryPlanError) as e:
+        raise UserError(str(e)) from None
+    args = launch.trainer_args(
+        shards, snakemake.params.target, snakemake.input.vocab, work, cfg, overrides
     )
-    summary = train(
-        sorted(snakemake.input.shards),
-        snakemake.params.target,
-        load_vocab(snakemake.input.vocab),
-        work,
-        cfg,
-    )
-    print(json.dumps(summary, indent=1, default=str))
-    for name, out in (
-        (CHECKPOINT, snakemake.output.checkpoint),
-        (METRICS, snakemake.output.metrics),
-        (CURVES, snakemake.output.curves),
-    ):
-        shutil.copyfile(work / name, out)
+    cmd = launch.command(run, args)
+    launcher = cmd.argv[: len(cmd.argv) - len(args)]
+    print(f"{run.world_size} rank(s): {' '.join(launcher)} <trainer arguments>", flush=True)
+    proc = subprocess.run(cmd.argv, env={**os.environ, **cmd.env})
+    if proc.returncode:
+        sys.exit(
+            f"the trainer exited with status {proc.returncode} (its ranks' output is above); "
+            f"a rerun resumes from the latest checkpoint in {work}"
+        )
+    for name, out in snakemake.output.items():
+        source = work / FILES[name]
+        if source.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(source, out)
+        else:
+            shutil.copyfile(source, out)

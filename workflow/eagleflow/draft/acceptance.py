@@ -14,8 +14,14 @@ Three measurements on the same prompts (chat template applied, greedy, same max 
   last position with the previous step's pre-norm output); the target checks them; accepted
   drafts plus the target's own next token are appended. Counters as vLLM defines them.
 
-acceptance length = 1 + accepted / drafts (tokens per target forward);
-per-position rate p_i = accepted at position i / drafts.
+acceptance length = 1 + accepted / drafts (tokens per target forward that checked a draft);
+a path that proposed nothing (an n-gram finding no match) has acceptance length 1.0, one token
+per target forward, by definition. Per-position rate p_i = accepted at position i / drafts.
+
+Every path records its counters per prompt too, so the report gives, per path, the prompts,
+the draft steps and a 95% interval of the acceptance length (`al_interval`: a bootstrap over
+prompts), and how many distinct replies the target gave (`distinct_replies`): a target that
+answers every prompt alike makes any speculation look good.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def load_prompts(
 
 
 def summarize(counters: dict, k: int) -> dict:
+    """Acceptance length and per-position rates of vLLM-style counters; no drafts at all is
+    acceptance length 1.0 and rates 0 (every token came from a target forward alone)."""
     drafts = int(counters.get("num_drafts", 0))
     accepted = int(counters.get("num_accepted_tokens", 0))
     per_pos = list(counters.get("num_accepted_tokens_per_pos", [0] * k))
@@ -63,9 +71,65 @@ def summarize(counters: dict, k: int) -> dict:
         "num_draft_tokens": int(counters.get("num_draft_tokens", 0)),
         "num_accepted_tokens": accepted,
         "num_accepted_tokens_per_pos": [int(x) for x in per_pos],
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate_per_pos": [x / drafts for x in per_pos] if drafts else None,
+        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate_per_pos": [x / drafts for x in per_pos] if drafts else [0.0] * k,
     }
+
+
+def al_interval(
+    drafts: list[int], accepted: list[int], resamples: int = 2000, seed: int = 0
+) -> dict:
+    """95% interval of the acceptance length 1 + sum(accepted) / sum(drafts) over prompts
+    (per-prompt `drafts` and `accepted`): a seeded percentile bootstrap, prompts resampled with
+    replacement (a resample without drafts counts 1.0). Also the per-prompt acceptance lengths'
+    mean and standard deviation (1.0 for a prompt without drafts), and the prompts a half-width
+    of 0.1 would take (half-width scales as 1/sqrt(prompts))."""
+    import numpy as np
+
+    d, a = np.asarray(drafts, dtype=float), np.asarray(accepted, dtype=float)
+    n = len(d)
+    if n == 0:
+        return {"prompts": 0}
+    idx = np.random.default_rng(seed).integers(0, n, (resamples, n))
+    sd_, sa = d[idx].sum(1), a[idx].sum(1)
+    al = np.where(sd_ > 0, 1 + sa / np.maximum(sd_, 1), 1.0)
+    low, high = (float(x) for x in np.percentile(al, [2.5, 97.5]))
+    per_prompt = np.where(d > 0, 1 + a / np.maximum(d, 1), 1.0)
+    half = (high - low) / 2
+    return {
+        "prompts": n,
+        "draft_steps": int(d.sum()),
+        "low": round(low, 4),
+        "high": round(high, 4),
+        "half_width": round(half, 4),
+        "per_prompt_al_mean": round(float(per_prompt.mean()), 4),
+        "per_prompt_al_sd": round(float(per_prompt.std(ddof=1)) if n > 1 else 0.0, 4),
+        "prompts_for_half_width_0.1": int(np.ceil(n * (half / 0.1) ** 2)),
+    }
+
+
+def distinct_replies(outputs: list[list[int]]) -> dict:
+    """How many of the prompts got a reply no other prompt got (token for token), and how
+    many different replies there were."""
+    from collections import Counter
+
+    count = Counter(tuple(o) for o in outputs)
+    return {
+        "prompts": len(outputs),
+        "different": len(count),
+        "unique": sum(1 for o in outputs if count[tuple(o)] == 1),
+    }
+
+
+def per_prompt_summary(result: dict) -> None:
+    """Adds `prompts`, the bootstrap `interval` and `distinct_replies` to a path's result from
+    its `per_prompt` counters and `output_token_ids`."""
+    per = result.get("per_prompt")
+    if per is not None:
+        result["prompts"] = len(per["drafts"])
+        result["interval"] = al_interval(per["drafts"], per["accepted"])
+    if "output_token_ids" in result:
+        result["distinct_replies"] = distinct_replies(result["output_token_ids"])
 
 
 # ---------------------------------------------------------------- the reference loop
@@ -117,7 +181,9 @@ def reference_acceptance(
     drafts = accepted = 0
     per_pos = [0] * k
     outputs = []
+    per_prompt = {"drafts": [], "accepted": []}
     for p in prompts:
+        drafts_before, accepted_before = drafts, accepted
         ids = list(p["prompt_token_ids"])
         n_prompt = len(ids)
         greedy, aux = target(ids)
@@ -139,13 +205,15 @@ def reference_acceptance(
                 new = new[: new.index(eos_token_id) + 1]
             ids += new[: max_tokens - (len(ids) - n_prompt)]
         outputs.append(ids[n_prompt:])
+        per_prompt["drafts"].append(drafts - drafts_before)
+        per_prompt["accepted"].append(accepted - accepted_before)
     counters = {
         "num_drafts": drafts,
         "num_draft_tokens": drafts * k,
         "num_accepted_tokens": accepted,
         "num_accepted_tokens_per_pos": per_pos,
     }
-    return {**summarize(counters, k), "output_token_ids": outputs}
+    return {**summarize(counters, k), "output_token_ids": outputs, "per_prompt": per_prompt}
 
 
 def load_export(export_dir):
@@ -226,6 +294,7 @@ def run_vllm(
         "--prompt-ids",
         str(prompt_file),
         "--stop-at-eos",
+        "--per-prompt",
         "--out",
         str(out),
     ]
@@ -243,6 +312,12 @@ def run_vllm(
         return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
     result = json.loads(out.read_text())
     result.update(summarize(result["counters"], k))
+    per = result.pop("per_prompt_counters", None)
+    if per is not None:
+        result["per_prompt"] = {
+            "drafts": [int(c.get("num_drafts", 0)) for c in per],
+            "accepted": [int(c.get("num_accepted_tokens", 0)) for c in per],
+        }
     return result
 
 
@@ -277,14 +352,25 @@ def plot(results: dict, k: int, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [n for n, r in results.items() if r.get("acceptance_length") is not None]
-    ax_len.bar(names, [results[n]["acceptance_length"] for n in names], color="tab:blue")
+    als = [results[n]["acceptance_length"] for n in names]
+    intervals = [results[n].get("interval") or {} for n in names]
+    err = [
+        [max(0.0, al - iv.get("low", al)) for al, iv in zip(als, intervals)],
+        [max(0.0, iv.get("high", al) - al) for al, iv in zip(als, intervals)],
+    ]
+    ax_len.bar(names, als, yerr=err, capsize=6, color="tab:blue")
     ax_len.axhline(1.0, color="gray", lw=0.8)
+    for x, (n, al, iv) in enumerate(zip(names, als, intervals)):
+        r = results[n]
+        span = f"[{iv['low']:.2f}, {iv['high']:.2f}]" if "low" in iv else "no interval"
+        label = f"{al:.2f} {span}\n{r.get('prompts', '?')} prompts, {r['num_drafts']} drafts"
+        ax_len.text(x, 0.05, label, ha="center", va="bottom", fontsize=7, color="white")
     ax_len.set(
         ylabel="acceptance length (tokens / target step)",
         ylim=(0, k + 1),
-        title=f"acceptance length, k={k}",
+        title=f"acceptance length, k={k}, 95% bootstrap interval over prompts",
     )
     for n in names:
         ax_pos.plot(range(1, k + 1), results[n]["acceptance_rate_per_pos"], marker="o", label=n)
@@ -355,12 +441,20 @@ def evaluate(
         except Exception as e:  # a failing path is reported, the others still measured
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         results[name]["wall_s"] = round(time.time() - t0, 1)
+        per_prompt_summary(results[name])
         log(
             f"{name}: "
             + json.dumps(
                 {
                     x: results[name].get(x)
-                    for x in ("acceptance_length", "acceptance_rate_per_pos", "num_drafts", "error")
+                    for x in (
+                        "acceptance_length",
+                        "interval",
+                        "acceptance_rate_per_pos",
+                        "num_drafts",
+                        "distinct_replies",
+                        "error",
+                    )
                 }
             )
         )
@@ -384,6 +478,10 @@ def evaluate(
             "sample_ids": [p["sample_id"] for p in prompts],
         },
         "vllm_mla_disabled": not engine.mla,
+        # the target's greedy replies (speculation never changes them): the first path's
+        "replies": next(
+            (r["distinct_replies"] for r in results.values() if "distinct_replies" in r), None
+        ),
         "results": results,
     }
     out_json, out_png = outputs

@@ -1,32 +1,47 @@
-"""Training batches for the draft, streamed from extracted shards (never the whole dataset).
+"""The draft's training data: samples of the extracted shards, packed by length into
+sequences of about `max_tokens`, read by `DataLoader` workers.
 
-A *pack* is a run of consecutive samples of one shard holding at most `max_tokens` tokens
-(a longer sample is cut to its first `max_tokens`). Only a pack's rows are read, through
-`safe_open(...).get_slice(...)` on the memory-mapped file. The order of packs is a seeded
-permutation per epoch, and the p-th pack of the stream is a pure function of
-(seed, p): training resumes at any step without replaying data, and rank r of W takes
-stream positions step*W + r.
+- `SampleTable`: every sample of every shard (shard, first row, length), which of them are
+  held out (`eagleflow.data.heldout`: the validation set, never trained on) and which are
+  too long to train (longer than `max_sample_tokens`: counted and named, never cut).
+- `PackPlan`: per epoch, a seeded permutation of the training samples packed first-fit into
+  packs of at most `max_tokens` tokens, across all shards. A sample longer than `max_tokens`
+  is a pack of its own and is trained in full. Global batch s (optimizer step s) is packs
+  [s*B, (s+1)*B) of its epoch, B = `batch_packs`; the last batch of an epoch is padded with
+  empty packs (no tokens, no gradient). The plan is a pure function of (sample lengths,
+  max_tokens, B, seed, epoch): a run resumes at any step, at any world size.
+- `RankSampler`: rank r of W takes packs j*W + r of each global batch for its micro-steps
+  j = 0 .. B/W - 1, so W ranks x B/W micro-steps train the same global batch as one rank
+  accumulating B packs. `HeldoutSampler`: the held-out samples packed once (validation),
+  padded so that every rank runs as many forwards.
+- `PackDataset`: item = one pack, read with `safe_open(...).get_slice(...)` on the
+  memory-mapped shards (only the pack's rows). States stay as stored: bf16, or fp8 codes
+  plus their scales, which cross to the device as they are and are dequantized there
+  (`Batch.values`).
 
 Alignment (the same as speculators' `shift_batch`): the draft's anchor t reads the aux
 states of position t and token t+1, and is trained at TTT step k against the target's
 distribution at position t+1+k (which predicts token t+2+k) where token t+1+k is
-loss-masked and in the same sample.
-
-Shards stored in fp8 (`capture.storage_dtype: float8_e4m3fn`) are dequantized as a pack is
-read (`eagleflow.store.quant.read_states`); the batch is float32 either way.
+loss-masked and in the same sample. A sample's first token is no target: the loss-masked
+tokens a sample trains are those of its rows 1..n-1 (`Batch.trained_tokens`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from eagleflow.store.quant import read_states
+from eagleflow.store.quant import SCALES_KEY, dequantize
 from eagleflow.target.layers import CONVENTION
+
+FP8_DTYPE = "F8_E4M3"
+OPEN_PACKS = 8  # first fit over this many open packs: dense packs, the shuffled order kept
 
 
 @dataclass
@@ -78,73 +93,234 @@ def read_layout(paths, num_hidden_layers: int) -> ShardLayout:
     return ShardLayout(paths, layer_ids, num_hidden_layers, aux)
 
 
-def make_packs(paths, max_tokens: int, exclude=None) -> list[tuple[int, int, int]]:
-    """(shard index, first row, end row) of every pack, reading only each shard's offsets and
-    sample ids. Samples for which `exclude(sample_id)` is true (the held-out split) are in no
-    pack."""
-    packs = []
+def shard_paths(paths) -> list[str]:
+    return sorted(str(Path(p)) for p in paths)
+
+
+# ---------------------------------------------------------------- samples and the split
+
+
+@dataclass
+class SampleTable:
+    """Every sample of the shards, in shard order (numpy arrays, one entry per sample)."""
+
+    shard: np.ndarray  # int32 index into layout.paths
+    start: np.ndarray  # int64 first row in its shard
+    length: np.ndarray  # int64 tokens
+    train: np.ndarray  # int64 indices of the samples trained on
+    heldout: np.ndarray  # int64 indices of the held-out samples (validation)
+    cut: list[dict]  # samples not trained: {"shard", "sample_id", "tokens"}
+
+    @property
+    def longest_train(self) -> int:
+        return int(self.length[self.train].max()) if len(self.train) else 0
+
+
+def sample_table(paths, exclude=None, max_sample_tokens: int = 0) -> SampleTable:
+    """Read each shard's offsets and sample ids. `exclude(sample_id)` true: held out;
+    longer than `max_sample_tokens` (when > 0): not trained, and named in `cut` (a held-out
+    one is not validated on either)."""
+    shard, start, length, ids = [], [], [], []
     for s, path in enumerate(paths):
         with safe_open(str(path), framework="pt") as f:
-            offsets = f.get_tensor("offsets").tolist()
+            offsets = f.get_tensor("offsets").long().numpy()
             sample_ids = json.loads((f.metadata() or {}).get("sample_ids", "null"))
-        if exclude is not None and (sample_ids is None or len(sample_ids) != len(offsets) - 1):
+        n = len(offsets) - 1
+        if sample_ids is None or len(sample_ids) != n:
             raise ValueError(
                 f"{path}: metadata `sample_ids` missing or not one per sample; "
                 "the held-out split cannot be applied"
             )
-        start = end = offsets[0]
-        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-            if exclude is not None and exclude(sample_ids[i]):
-                if end > start:
-                    packs.append((s, start, end))
-                start = end = b
-                continue
-            if b - a >= max_tokens:  # a long sample alone, cut to max_tokens
-                if end > start:
-                    packs.append((s, start, end))
-                packs.append((s, a, a + max_tokens))
-                start = end = b
-            elif b - start > max_tokens:
-                packs.append((s, start, end))
-                start, end = a, b
-            else:
-                end = b
-        if end > start:
-            packs.append((s, start, end))
-    return packs
+        shard.append(np.full(n, s, dtype=np.int32))
+        start.append(offsets[:-1])
+        length.append(np.diff(offsets))
+        ids.extend(sample_ids)
+    shard, start, length = (np.concatenate(a) for a in (shard, start, length))
+    held = np.array([bool(exclude and exclude(i)) for i in ids], dtype=bool)
+    too_long = (length > max_sample_tokens) if max_sample_tokens > 0 else np.zeros_like(held)
+    cut = [
+        {"shard": Path(paths[shard[i]]).name, "sample_id": ids[i], "tokens": int(length[i])}
+        for i in np.flatnonzero(too_long & ~held)
+    ]
+    return SampleTable(
+        shard,
+        start,
+        length,
+        np.flatnonzero(~held & ~too_long),
+        np.flatnonzero(held & ~too_long),  # validated within the same limit
+        cut,
+    )
 
 
-def pack_for(packs: list, seed: int, position: int):
-    """The pack at `position` of the infinite seeded stream (a new permutation per epoch)."""
-    epoch, i = divmod(position, len(packs))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return packs[int(torch.randperm(len(packs), generator=g)[i])]
+# ---------------------------------------------------------------- packing and the plan
+
+
+def pack_samples(samples: np.ndarray, lengths: np.ndarray, max_tokens: int):
+    """Pack `samples` (in this order) into packs of at most `max_tokens` tokens: first fit
+    over the last `OPEN_PACKS` open packs; a sample longer than `max_tokens` alone.
+    Returns (members, bounds): pack p holds members[bounds[p]:bounds[p+1]]."""
+    packs: list[list[int]] = []
+    room: list[int] = []
+    open_packs: list[int] = []
+    for i, n in zip(samples.tolist(), lengths[samples].tolist()):
+        if n >= max_tokens:
+            packs.append([i])
+            room.append(0)
+            continue
+        for p in open_packs:
+            if room[p] >= n:
+                packs[p].append(i)
+                room[p] -= n
+                if room[p] == 0:
+                    open_packs.remove(p)
+                break
+        else:
+            packs.append([i])
+            room.append(max_tokens - n)
+            open_packs.append(len(packs) - 1)
+            if len(open_packs) > OPEN_PACKS:
+                open_packs.pop(0)
+    members = np.fromiter((i for p in packs for i in p), dtype=np.int64)
+    bounds = np.zeros(len(packs) + 1, dtype=np.int64)
+    bounds[1:] = np.cumsum([len(p) for p in packs])
+    return members, bounds
+
+
+class PackPlan:
+    """The packs of every epoch and the optimizer steps they make (see the module doc)."""
+
+    def __init__(self, table: SampleTable, max_tokens: int, batch_packs: int, seed: int):
+        self.table, self.max_tokens = table, max_tokens
+        self.batch_packs, self.seed = batch_packs, seed
+        self._epoch: tuple[int, tuple] | None = None  # the last epoch packed (one is in use)
+        self._counts: dict[int, int] = {}
+
+    def epoch(self, e: int):
+        """(members, bounds) of epoch e: a permutation seeded by (seed, e), then packed."""
+        if self._epoch is None or self._epoch[0] != e:
+            rng = np.random.default_rng([self.seed, e])
+            order = self.table.train[rng.permutation(len(self.table.train))]
+            self._epoch = (e, pack_samples(order, self.table.length, self.max_tokens))
+            self._counts[e] = len(self._epoch[1][1]) - 1
+        return self._epoch[1]
+
+    def num_packs(self, e: int) -> int:
+        if e not in self._counts:
+            self.epoch(e)
+        return self._counts[e]
+
+    def steps_in(self, e: int) -> int:
+        return -(-self.num_packs(e) // self.batch_packs)
+
+    def epoch_starts(self, epochs: int) -> list[int]:
+        """First step of each epoch, and the total number of steps last."""
+        starts = [0]
+        for e in range(epochs):
+            starts.append(starts[-1] + self.steps_in(e))
+        return starts
+
+    def pack(self, e: int, p: int) -> tuple[int, ...]:
+        """The sample indices of pack p of epoch e; () past the end (a padding pack)."""
+        members, bounds = self.epoch(e)
+        if p >= len(bounds) - 1:
+            return ()
+        return tuple(members[bounds[p] : bounds[p + 1]].tolist())
+
+
+class RankSampler(Sampler):
+    """This rank's packs for global steps [start, end): B/W per step (module doc)."""
+
+    def __init__(self, plan: PackPlan, starts: list[int], start, end, rank, world):
+        if plan.batch_packs % world:
+            raise ValueError(
+                f"draft.batch_packs = {plan.batch_packs} packs per optimizer step cannot be "
+                f"split over {world} ranks: set it to a multiple of {world}"
+            )
+        self.plan, self.starts, self.start, self.end = plan, starts, start, end
+        self.rank, self.world = rank, world
+        self.micro_steps = plan.batch_packs // world
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch index within the epoch) of a global step."""
+        e = int(np.searchsorted(self.starts, step, side="right")) - 1
+        return e, step - self.starts[e]
+
+    def __iter__(self):
+        for step in range(self.start, self.end):
+            e, b = self.locate(step)
+            for j in range(self.micro_steps):
+                yield self.plan.pack(e, b * self.plan.batch_packs + j * self.world + self.rank)
+
+    def __len__(self):
+        return (self.end - self.start) * self.micro_steps
+
+
+class HeldoutSampler(Sampler):
+    """The held-out samples packed once (in table order), padded to a multiple of the world
+    size so every rank runs as many forwards; rank r takes packs r, r+W, ..."""
+
+    def __init__(self, table: SampleTable, max_tokens: int, rank: int, world: int):
+        members, bounds = pack_samples(table.heldout, table.length, max_tokens)
+        packs = [tuple(members[a:b].tolist()) for a, b in zip(bounds[:-1], bounds[1:])]
+        packs += [()] * (-len(packs) % world)
+        self.packs = packs[rank::world]
+
+    def __iter__(self):
+        return iter(self.packs)
+
+    def __len__(self):
+        return len(self.packs)
+
+
+# ---------------------------------------------------------------- batches
 
 
 @dataclass
 class Batch:
-    aux: torch.Tensor  # [N, n_aux*H] float
-    final: torch.Tensor  # [N, H] the target's final pre-norm state
+    states: torch.Tensor  # [N, n_aux + 1, H] as stored: aux states, then the final state
+    scales: torch.Tensor  # [N, n_aux + 1] float32 fp8 scales; [0] when not quantized
     tokens: torch.Tensor  # [steps, N] token read at step k (t+1+k), 0 where none
-    target_index: torch.Tensor  # [steps, N] row of `final` the step-k target comes from
+    target_index: torch.Tensor  # [steps, N] row of the final state the step-k target is from
     valid: torch.Tensor  # [steps, N] bool: step k at anchor t is trained on
     positions: torch.Tensor  # [N] position of token t+1 within its sample
     doc: torch.Tensor  # [N] sample index within the pack
+    samples: int = 0  # samples in the pack (0: a padding pack)
 
-    def to(self, device):
-        return Batch(*(getattr(self, k).to(device) for k in self.__dataclass_fields__))
+    def _map(self, fn) -> Batch:
+        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "samples"}
+        return Batch(**tensors, samples=self.samples)
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:  # DataLoader(pin_memory=True) calls this
+        return self._map(lambda t: t.pin_memory())
+
+    def values(self, dtype=torch.float32):
+        """(aux [N, n_aux*H], final [N, H]) in `dtype`, dequantized where the batch is (on
+        the device after `to`)."""
+        if self.scales.numel():
+            x = dequantize(self.states, self.scales, dtype)
+        else:
+            x = self.states.to(dtype)
+        return x[:, :-1].flatten(1), x[:, -1]
+
+    @property
+    def trained_tokens(self) -> int:
+        """Loss-masked target tokens of the pack (each sample's rows 1..n-1)."""
+        return int(self.valid[0].sum())
 
 
-def build_batch(ids, mask, hidden, starts, layout: ShardLayout, steps: int) -> Batch:
-    """ids/mask [N], hidden [N, n_layers, H], starts: row where each sample begins."""
+def build_batch(ids, mask, hidden, starts, layout: ShardLayout, steps: int, scales=None) -> Batch:
+    """ids/mask [N], hidden [N, n_layers, H] as stored (fp8: with `scales` [N, n_layers]),
+    starts: row where each sample begins."""
+    order = layout.aux_index + [layout.final_index]
     n = ids.shape[0]
     doc = torch.zeros(n, dtype=torch.long)
     for s in starts[1:]:
         doc[s:] += 1
     begin = torch.tensor(starts, dtype=torch.long)[doc]
     positions = torch.arange(n) - begin + 1
-    aux = hidden[:, layout.aux_index].flatten(1).float()
-    final = hidden[:, layout.final_index].float()
     t = torch.arange(n)
     tokens, target_index, valid = [], [], []
     for k in range(steps):
@@ -156,28 +332,88 @@ def build_batch(ids, mask, hidden, starts, layout: ShardLayout, steps: int) -> B
         target_index.append(jc)
         valid.append(same & mask[jc])
     return Batch(
-        aux,
-        final,
+        hidden[:, order],
+        scales[:, order].float() if scales is not None else torch.zeros(0),
         torch.stack(tokens),
         torch.stack(target_index),
         torch.stack(valid),
         positions,
         doc,
+        samples=len(starts),
     )
 
 
-def load_pack(layout: ShardLayout, pack, steps: int) -> Batch:
-    s, a, b = pack
-    with safe_open(layout.paths[s], framework="pt") as f:
-        ids = f.get_slice("input_ids")[a:b].long()
-        mask = f.get_slice("loss_mask")[a:b].bool()
-        hidden = read_states(f, layout.paths[s], slice(a, b))
-        offsets = f.get_tensor("offsets")
-    starts = [int(o) - a for o in offsets.tolist() if a <= o < b]
-    if not starts or starts[0] != 0:
-        starts = [0] + starts
-    return build_batch(ids, mask, hidden, starts, layout, steps)
+class PackDataset(Dataset):
+    """Item = a pack (a tuple of sample indices of `table`) -> `Batch`; () is a padding pack:
+    one row, nothing trained, so every rank runs the same forwards."""
+
+    def __init__(self, layout: ShardLayout, table: SampleTable, steps: int):
+        self.layout, self.table, self.steps = layout, table, steps
+        self._files: dict[int, object] = {}  # open handles of this process (each worker's own)
+
+    def _file(self, s: int):
+        if s not in self._files:
+            self._files[s] = safe_open(self.layout.paths[s], framework="pt")
+        return self._files[s]
+
+    def read(self, i: int):
+        """Sample i as stored: (input_ids, loss_mask, hidden_states, fp8 scales or None)."""
+        s = int(self.table.shard[i])
+        f = self._file(s)
+        a = int(self.table.start[i])
+        rows = slice(a, a + int(self.table.length[i]))
+        hs = f.get_slice("hidden_states")
+        scales = None
+        if hs.get_dtype() == FP8_DTYPE:
+            if SCALES_KEY not in f.keys():
+                raise ValueError(
+                    f"{self.layout.paths[s]}: hidden_states are stored as F8_E4M3 but the "
+                    f"file has no {SCALES_KEY}; its states cannot be dequantized (extract it "
+                    "again)"
+                )
+            scales = f.get_slice(SCALES_KEY)[rows]
+        return f.get_slice("input_ids")[rows], f.get_slice("loss_mask")[rows], hs[rows], scales
+
+    def __getitem__(self, pack: tuple[int, ...]) -> Batch:
+        if not pack:
+            return self.padding()
+        parts = [self.read(i) for i in pack]
+        starts = np.concatenate([[0], np.cumsum([len(p[0]) for p in parts])[:-1]]).tolist()
+        return build_batch(
+            torch.cat([p[0] for p in parts]).long(),
+            torch.cat([p[1] for p in parts]).bool(),
+            torch.cat([p[2] for p in parts]),
+            starts,
+            self.layout,
+            self.steps,
+            torch.cat([p[3] for p in parts]) if parts[0][3] is not None else None,
+        )
+
+    def padding(self) -> Batch:
+        i = int(self.table.train[0] if len(self.table.train) else self.table.heldout[0])
+        ids, mask, hidden, scales = self.read(i)
+        batch = build_batch(
+            ids[:1].long(),
+            mask[:1].bool(),
+            hidden[:1],
+            [0],
+            self.layout,
+            self.steps,
+            scales[:1] if scales is not None else None,
+        )
+        batch.samples = 0
+        return batch
 
 
-def shard_paths(paths) -> list[str]:
-    return sorted(str(Path(p)) for p in paths)
+def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: bool, **kw):
+    """Workers read and build the packs ahead of the step; the pinned host copy lets the
+    device copy run asynchronously."""
+    return DataLoader(
+        dataset,
+        sampler=sampler,
+        batch_size=None,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers else None,
+        pin_memory=pin,
+        **kw,
+    )

@@ -105,7 +105,7 @@ def speculators_config(
 def export_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
     """Floating weights cast to `dtype`; d2t int64, t2d bool; names as vLLM loads them."""
     out = {}
-    for name, tensor in draft.state_dict().items():
+    for name, tensor in draft.export_state_dict().items():  # + the frozen embedding
         tensor = tensor.detach().cpu()
         out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     return out

@@ -14,21 +14,49 @@ Parameter names are the speculators checkpoint names (`embed_tokens.weight`, `fc
 prefixes `model.` to all but `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips
 `t2d`, and stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`.
 
+`embed_tokens.weight` is a frozen bf16 copy of the target's embedding (as the target stores
+it). It is a non-persistent buffer: no gradient, no optimizer state, not sharded by FSDP, not
+in `state_dict()` (a checkpoint reads it again from the target). `export_state_dict()` adds it
+back for the speculators file, and `load_state_dict` still accepts it (exports, old
+checkpoints).
+
 Training-time test (`ttt_forward`): the draft is unrolled for several steps over a packed
 sequence. Step k at anchor t reads token t+1+k, at position t+1+k, and the hidden state its
 step k-1 produced at anchor t; its attention sees the step-0 keys of the anchor's causal
 prefix (same sample) plus the keys steps 1..k wrote at the same anchor: exactly the KV cache
 vLLM's drafter holds when it proposes the (k+1)-th token.
+
+Attention (`attend`): softmax over [causal prefix keys of step 0 ; diagonal keys of steps
+1..k]. `attention="flex"` computes the prefix part with a kernel that returns its output and
+log-sum-exp and never holds an [N, N] tensor, then merges the k diagonal scores by log-sum-exp
+(the same softmax, split in two):
+
+    L   = logsumexp(lse0, s_1..s_k)      s_j = q . k_j / sqrt(d)   (anchor-wise)
+    out = exp(lse0 - L) out0 + sum_j exp(s_j - L) v_j
+
+The prefix kernel is `flex_attention` with a document-causal `BlockMask` (built once per pack,
+reused by every TTT step), compiled once, on CUDA. torch 2.13 has no flex_attention backward on
+CPU, so there the same maths runs blockwise in plain torch: per 128 queries, scores against the
+keys from the start of the first query's sample (each block checkpointed, so only its output
+and log-sum-exp are kept for backward). `attention="eager"` is the dense reference: [heads, N, N]
+scores and an [N, N] mask.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+ATTENTION = ("flex", "eager")
+BLOCK = 128  # query/key block of the flex BlockMask and of the blockwise CPU kernel
+FROZEN_DTYPE = torch.bfloat16  # the target's embedding, as the target stores it
 
 
 @dataclass
@@ -45,6 +73,13 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     norm_before_residual: bool = True  # speculators' and vLLM's default for eagle3
+    # How the forward is computed, not what it computes (`architecture()` leaves them out):
+    attention: str = "flex"  # "flex" (no [N, N] tensor) or "eager" (dense, the reference)
+    activation_checkpointing: bool = False  # recompute the decoder layer per TTT step
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r}: one of {', '.join(ATTENTION)}")
 
     @classmethod
     def for_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
@@ -72,6 +107,12 @@ class DraftConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def architecture(self) -> dict:
+        """The fields that decide what the weights mean (what a resume must match)."""
+        d = self.to_dict()
+        del d["attention"], d["activation_checkpointing"]
+        return d
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -94,10 +135,201 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
+def autocast_once(x):
+    """`x` in autocast's dtype (when autocast is on): an input several Linears read is cast
+    once, not once per Linear (autocast keeps every cast for backward)."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 def apply_rotary(x, cos, sin):  # x [heads, N, head_dim]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------- who sees whom in a pack
+
+
+@dataclass
+class PackMask:
+    """The document-causal mask of one packed sequence, built once for all TTT steps.
+
+    A sample is a run of equal consecutive `doc` values. Query t sees key s of step 0 iff
+    start[t] <= s <= t (same sample, causal). Exactly one of `block_mask` (kernel "flex"),
+    `dense` ([N, N] bool, kernel "dense") is set, or neither (kernel "blockwise")."""
+
+    kernel: str
+    start: torch.Tensor  # [N] index of the first token of each token's sample
+    segment: torch.Tensor  # [N] run index of each token's sample
+    block_mask: BlockMask | None = None
+    dense: torch.Tensor | None = None
+
+
+def _samples(doc: torch.Tensor):
+    """(segment, start) [N] each: the run index of every token and its run's first index."""
+    change = torch.ones_like(doc, dtype=torch.bool)
+    change[1:] = doc[1:] != doc[:-1]
+    segment = torch.cumsum(change, 0) - 1
+    return segment, torch.nonzero(change).flatten()[segment]
+
+
+def _doc_causal(segment: torch.Tensor):
+    def mask_mod(b, h, q, kv):
+        return (segment[q] == segment[kv]) & (kv <= q)
+
+    return mask_mod
+
+
+def doc_causal_block_mask(segment: torch.Tensor, start: torch.Tensor, block: int = BLOCK):
+    """The flex `BlockMask` of a pack, from its sample runs: per query block, the key blocks
+    from its first query's sample start to the diagonal; a block is full (no mask_mod call)
+    when it lies before the diagonal, inside one sample, and the query block is complete.
+    Small [N/block]^2 tensors only (`create_block_mask` would evaluate an [N, N] grid)."""
+    n = segment.numel()
+    nb = -(-n // block)
+    qb = torch.arange(nb, device=segment.device)
+    q_end = torch.clamp((qb + 1) * block, max=n)
+    first = start[qb * block] // block
+    kb = qb[None, :]
+    needed = (kb >= first[:, None]) & (kb <= qb[:, None])
+    full = (
+        needed
+        & (kb < qb[:, None])
+        & (segment[kb * block] == segment[q_end - 1][:, None])
+        & (q_end - qb * block == block)[:, None]
+    )
+    partial = needed & ~full
+
+    def blocks(m):
+        count = m.sum(-1, dtype=torch.int32)[None, None]
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
+        return count, order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        *blocks(partial),
+        *blocks(full),
+        BLOCK_SIZE=block,
+        mask_mod=_doc_causal(segment),
+        seq_lengths=(n, n),
+    )
+
+
+def pack_mask(doc: torch.Tensor, kernel: str) -> PackMask:
+    """kernel: "flex", "blockwise" or "dense" (see `kernel_for`)."""
+    segment, start = _samples(doc)
+    mask = PackMask(kernel, start, segment)
+    if kernel == "flex":
+        mask.block_mask = doc_causal_block_mask(segment, start)
+    elif kernel == "dense":
+        idx = torch.arange(doc.numel(), device=doc.device)
+        mask.dense = (idx[None, :] <= idx[:, None]) & (segment[None, :] == segment[:, None])
+    return mask
+
+
+def kernel_for(attention: str, device: torch.device) -> str:
+    """flex_attention where it has a backward (CUDA), the blockwise twin elsewhere."""
+    if attention == "eager":
+        return "dense"
+    return "flex" if device.type == "cuda" else "blockwise"
+
+
+# ---------------------------------------------------------------- attention kernels
+
+
+def _f32(x):
+    """Scores and their log-sum-exp in at least fp32 (bf16 in, fp32 out; fp64 stays)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
+def _flex_prefix(q, k, v, mask: PackMask, scale: float):
+    """q [heads, N, d], k/v [kv_heads, N, d] -> out [heads, N, d], lse [heads, N] fp32."""
+    fn = _compiled_flex() if q.is_cuda else flex_attention  # eager flex: CPU without grad
+    out, aux = fn(
+        q[None],
+        k[None],
+        v[None],
+        block_mask=mask.block_mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out[0], _f32(aux.lse[0])
+
+
+def _prefix_block(q, k, v, segment, s: int, e: int, ks: int, scale: float):
+    """Queries s..e-1 against keys ks..e-1 (ks: the first query's sample start)."""
+    kvh, d = k.shape[0], q.shape[-1]
+    qb = q[:, s:e].reshape(kvh, -1, e - s, d)  # (kv_heads, rep, b, d)
+    scores = _f32(qb @ k[:, None, ks:e].transpose(-1, -2)) * scale  # (kv, rep, b, L)
+    qi = torch.arange(s, e, device=q.device)[:, None]
+    ki = torch.arange(ks, e, device=q.device)[None, :]
+    visible = (ki <= qi) & (segment[ks:e][None, :] == segment[s:e][:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v[:, None, ks:e]
+    return out.reshape(q.shape[0], e - s, d), lse.reshape(q.shape[0], e - s)
+
+
+def _blockwise_prefix(q, k, v, mask: PackMask, scale: float):
+    """The flex prefix in plain torch: per query block only its sample's keys; each block is
+    checkpointed, so backward keeps its output and log-sum-exp, never its scores."""
+    n = q.shape[1]
+    starts = mask.start[::BLOCK].tolist()
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    outs, lses = [], []
+    for i, s in enumerate(range(0, n, BLOCK)):
+        args = (q, k, v, mask.segment, s, min(s + BLOCK, n), starts[i], scale)
+        if grad:
+            out, lse = checkpoint(_prefix_block, *args, use_reentrant=False)
+        else:
+            out, lse = _prefix_block(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _dense(q, keys, mask: PackMask, scale: float):
+    """The reference: dense [heads, N, N] scores over the step-0 keys plus the diagonal ones."""
+    n = q.shape[1]
+    rep = q.shape[0] // keys[0][0].shape[0]
+    keys = [(k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)) for k, v in keys]
+    k0, v0 = keys[0]
+    scores = [(q @ k0.transpose(1, 2) * scale).masked_fill(~mask.dense, float("-inf"))]
+    scores += [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in keys[1:]]
+    probs = torch.softmax(_f32(torch.cat(scores, dim=-1)), dim=-1).to(q.dtype)
+    out = probs[..., :n] @ v0
+    for j, (_, vj) in enumerate(keys[1:]):
+        out = out + probs[..., n + j : n + j + 1] * vj
+    return out
+
+
+def attend(q, keys, mask: PackMask, scale: float):
+    """q [heads, N, d]; keys [(k, v)] with k/v [kv_heads, N, d]: keys[0] seen through `mask`,
+    keys[1:] on the diagonal (anchor t sees only its own entry). Returns [heads, N, d]."""
+    if mask.kernel == "dense":
+        return _dense(q, keys, mask, scale)
+    prefix = _flex_prefix if mask.kernel == "flex" else _blockwise_prefix
+    out, lse0 = prefix(q, *keys[0], mask, scale)
+    if len(keys) == 1:
+        return out
+    kvh, n, d = keys[0][0].shape
+    qg = q.view(kvh, -1, n, d)  # (kv_heads, rep, N, d): GQA without repeating k/v
+    diag = [(_f32((qg * k[:, None]).sum(-1)) * scale).view(-1, n) for k, _ in keys[1:]]
+    total = torch.logsumexp(torch.stack([lse0, *diag]), dim=0)  # [heads, N]
+    merged = torch.exp(lse0 - total)[..., None] * out
+    for s, (_, v) in zip(diag, keys[1:]):
+        w = torch.exp(s - total).view(kvh, -1, n, 1)
+        merged = merged + (w * v[:, None]).view(-1, n, d)
+    return merged.to(q.dtype)
+
+
+# ---------------------------------------------------------------- the draft
 
 
 class Attention(nn.Module):
@@ -114,26 +346,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: list, prefix_mask: torch.Tensor):
-        """x [N, 2H]; appends this step's (k, v) to `cache`; cache[0] is attended causally
-        (`prefix_mask` [N, N], True = visible), later entries on the diagonal only."""
+    def forward(self, x, cos, sin, past: tuple, mask: PackMask):
+        """x [N, 2H]; past: the (k, v) of earlier TTT steps, each [kv_heads, N, d].
+        Returns (out [N, H], this step's (k, v))."""
         n = x.shape[0]
+        x = autocast_once(x)
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        cache.append((k, v))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        scores = [(q @ k0.transpose(1, 2) * scale).masked_fill(~prefix_mask, float("-inf"))]
-        scores += [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]
-        probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :n] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., n + j : n + j + 1] * vj
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        v = v.contiguous()
+        out = attend(q, (*past, (k, v)), mask, 1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim)), (k, v)
 
 
 class MLP(nn.Module):
@@ -144,6 +368,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        x = autocast_once(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -157,20 +382,47 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache, prefix_mask):
+    def forward(self, embeds, hidden, cos, sin, past: tuple, mask: PackMask):
+        """A pure function of its inputs (so it can be recomputed): (next hidden, (k, v))."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, cache, prefix_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn, kv = self.self_attn(x, cos, sin, past, mask)
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+def _take_weight(module, state_dict, prefix, *args):
+    weight = state_dict.pop(prefix + "weight", None)  # an export, or an old checkpoint
+    if weight is not None:
+        with torch.no_grad():
+            module.weight.copy_(weight)
+
+
+class FrozenEmbedding(nn.Module):
+    """The target's input embedding as a non-persistent bf16 buffer named `weight`."""
+
+    def __init__(self, rows: int, size: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(rows, size, dtype=FROZEN_DTYPE), False)
+        self.register_load_state_dict_pre_hook(_take_weight)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves it; a dtype cast of the model (`.double()`, `.to(bf16)`) does
+        not change it: the copy stays bf16."""
+        super()._apply(fn, recurse)
+        self.weight = self.weight.to(FROZEN_DTYPE)
+        return self
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight)
 
 
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
+        self.embed_tokens = FrozenEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(cfg.num_aux * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -191,8 +443,13 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def set_embedding(self, weight: torch.Tensor) -> None:
+        """Copy the target's embedding in (held in bf16, the target's own dtype)."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
+
+    def export_state_dict(self) -> dict:
+        """`state_dict()` plus the frozen embedding: every tensor of the speculators file."""
+        return {"embed_tokens.weight": self.embed_tokens.weight, **self.state_dict()}
 
     def forward(self, aux, tokens, positions, doc, steps: int):
         return self.ttt_forward(aux, tokens, positions, doc, steps)
@@ -201,19 +458,24 @@ class Eagle3Draft(nn.Module):
         """Unrolled draft over one packed sequence of N anchors.
 
         aux [N, n_aux*H] (aux states at anchor t); tokens [steps, N] (token read at step k,
-        i.e. token t+1+k); positions [N] (position of token t+1); doc [N] sample index.
-        Returns the draft-vocabulary logits of every step, each [N, draft_vocab].
+        i.e. token t+1+k); positions [N] (position of token t+1); doc [N] sample index (a
+        sample is a run of equal consecutive values). Returns the draft-vocabulary logits of
+        every step, each [N, draft_vocab].
         """
-        n = aux.shape[0]
-        idx = torch.arange(n, device=aux.device)
-        prefix_mask = (idx[None, :] <= idx[:, None]) & (doc[None, :] == doc[:, None])
+        mask = pack_mask(doc, kernel_for(self.cfg.attention, aux.device))
         hidden = self.fc(aux)
-        cache: list = []
+        past: tuple = ()
         logits = []
         layer = self.layers[0]
+        recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for k in range(steps):
             cos, sin = rotary(positions + k, self.cfg.head_dim, self.cfg.rope_theta)
-            embeds = self.embed_tokens(tokens[k])
-            hidden = layer(embeds, hidden, cos, sin, cache, prefix_mask)
+            embeds = self.embed_tokens(tokens[k]).to(hidden.dtype)
+            args = (embeds, hidden, cos, sin, past, mask)
+            if recompute:  # keep the layer's inputs, recompute the rest in backward
+                hidden, kv = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                hidden, kv = layer(*args)
+            past = (*past, kv)
             logits.append(self.lm_head(self.norm(hidden)))
         return logits

@@ -56,8 +56,12 @@ def run(
     prompts: list,
     max_tokens: int,
     ignore_eos: bool = True,
+    per_prompt: bool = False,
 ) -> dict:
-    """`prompts`: strings, or lists of token ids (already chat-templated)."""
+    """`prompts`: strings, or lists of token ids (already chat-templated). `per_prompt`:
+    generate one prompt at a time and record each prompt's counters (the difference of vLLM's
+    cumulative counters around it) under `per_prompt_counters`, for an interval over prompts;
+    greedy outputs are the same, only slower than one batch."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -72,10 +76,19 @@ def run(
     )
     started = time.time() - t0
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     t1 = time.time()
-    outputs = llm.generate(
-        inputs, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    )
+    per_prompt_counters = None
+    if per_prompt:
+        outputs, per_prompt_counters = [], []
+        before = spec_counters(llm.get_metrics())
+        for x in inputs:
+            outputs += llm.generate([x], sampling, use_tqdm=False)
+            after = spec_counters(llm.get_metrics())
+            per_prompt_counters.append(counter_difference(after, before))
+            before = after
+    else:
+        outputs = llm.generate(inputs, sampling)
     generate_s = time.time() - t1
     counters = spec_counters(llm.get_metrics())
     drafts = counters.get("num_drafts", 0)
@@ -92,7 +105,20 @@ def run(
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "texts": [o.outputs[0].text for o in outputs],
         "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        **({"per_prompt_counters": per_prompt_counters} if per_prompt else {}),
     }
+
+
+def counter_difference(after: dict, before: dict) -> dict:
+    """`after` - `before` for counters from `spec_counters` (a counter missing before is 0)."""
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            prev = before.get(key) or [0] * len(value)
+            out[key] = [a - b for a, b in zip(value, prev)]
+        else:
+            out[key] = value - before.get(key, 0)
+    return out
 
 
 def main(argv=None):
@@ -102,6 +128,7 @@ def main(argv=None):
     p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
     p.add_argument("--prompt-ids", help="JSON file: a list of token-id lists (chat-templated)")
     p.add_argument("--stop-at-eos", action="store_true")
+    p.add_argument("--per-prompt", action="store_true", help="counters of each prompt too")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt", action="append")
@@ -120,10 +147,12 @@ def main(argv=None):
         prompts,
         a.max_tokens,
         ignore_eos=not a.stop_at_eos,
+        per_prompt=a.per_prompt,
     )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("texts", "output_token_ids")}))
+    skip = ("texts", "output_token_ids", "per_prompt_counters")
+    print(json.dumps({k: v for k, v in result.items() if k not in skip}))
 
 
 def engine_argument(settings: EngineSettings) -> str:

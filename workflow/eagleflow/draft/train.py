@@ -1,76 +1,110 @@
-"""Compact EAGLE-3 draft trainer with training-time test (TTT).
+"""EAGLE-3 draft trainer with training-time test (TTT), in one process or under torchrun.
 
 loss = sum_k  step_weight**k * KL(target_k || draft_k)   over loss-masked anchors, where
 target_k is the target's own distribution at position t+1+k (its final norm and lm_head
 applied to the stored final pre-norm state, restricted to the draft vocabulary) and draft_k
 the draft's after k unrolled steps (`Eagle3Draft.ttt_forward`).
 
-One pack of consecutive samples per step and rank (`draft_data`), streamed from the
-memory-mapped shards. Writes to `out_dir`:
-  checkpoint.pt   latest state (model, optimizer, step), replaced atomically every
-                  `ckpt_every` steps and at the end; a rerun resumes from it
-  metrics.csv     one row per step: loss, per-TTT-step loss, accuracy (top-1 agreement with
-                  the target) and conditional accuracy (given steps < k all agreed)
-  curves.png      the same, plotted
-Deterministic from `seed` (model init and data order); resuming gives the same weights as
-an uninterrupted run. Under torchrun (WORLD_SIZE > 1) it wraps the draft in
-DistributedDataParallel and each rank reads its own packs; rank 0 writes.
+Data (`eagleflow.draft.data`): the training samples of all shards, packed by length into
+packs of about `max_tokens`, reshuffled every epoch. One optimizer step trains one global
+batch of `batch_packs` packs, split over the ranks and each rank's micro-steps; its loss is
+the mean of the packs' losses, so 2 ranks x 1 pack and 1 rank x 2 packs take the same step.
+The held-out samples are never trained on: every `eval_every` steps they give the
+validation loss and the simulated acceptance length, and the draft with the best one is
+kept in `best/` (what export reads).
+
+Parallelism (`parallelize`): under torchrun, FSDP2 (`fully_shard`) over the draft's trainable
+modules, gloo on CPU and nccl on CUDA. Frozen tensors (the target's embedding and its lm_head
+rows over the draft vocabulary, bf16; its final norm) are outside FSDP, replicated, in no
+optimizer state and no checkpoint: they are read again from the target. A single process (no
+torchrun) trains the plain module.
+
+Writes to `out_dir` (checkpoint layout: `eagleflow.draft.checkpoint`):
+  checkpoints/step-N/  the latest checkpoint: one DCP save of model, optimizer, progress
+                       (step, tokens and samples trained, best evaluation) and rng, every
+                       `save_every` steps and at the end
+  best/                the best draft so far, consolidated
+  metrics.csv          one row per step: lr, loss, grad norm, per-TTT-step loss, accuracy
+                       (top-1 agreement with the target) and conditional accuracy (given
+                       steps < k all agreed), trained tokens, data wait
+  validation.csv       one row per evaluation, with the simulated acceptance length
+  curves.png           the same, plotted
+  progress.json        step, total steps and rate at the last checkpoint
+  summary.json         at the end (`summary`)
+A rerun resumes from the latest checkpoint, at any world size, also when the run was
+extended (`epochs`, `max_steps`); it starts from step 0 only when something that decides the
+weights changed (`training_recipe`: data, draft, vocabulary, seed, recipe values), and says
+which. The learning rate is a function of the step and the run's total steps (linear
+warm-up, cosine to `min_lr_ratio`), so an extended run stretches its remaining decay.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import time
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from eagleflow.data.heldout import HELDOUT_MODULUS, excluder
-from eagleflow.draft.data import load_pack, make_packs, pack_for, read_layout
+from eagleflow.data.heldout import excluder
+from eagleflow.draft import checkpoint
+from eagleflow.draft.data import (
+    HeldoutSampler,
+    PackDataset,
+    PackPlan,
+    RankSampler,
+    data_loader,
+    read_layout,
+    sample_table,
+    shard_paths,
+)
+from eagleflow.draft.memory_plan import Workload, check_plan, device_memory, plan_memory
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.vocab import DraftVocab
 from eagleflow.target.head import EMBED, TargetHead, read_target_config, read_target_tensor
 
-CHECKPOINT, METRICS, CURVES = "checkpoint.pt", "metrics.csv", "curves.png"
+METRICS, VALIDATION, CURVES = "metrics.csv", "validation.csv", "curves.png"
+SUMMARY, PROGRESS = "summary.json", "progress.json"
+FROZEN_PREFIXES = ("embed_tokens.",)  # the target's embedding: read from the target again
 
 
-@dataclass
-class TrainConfig:
-    steps: int = 2000
-    ttt_steps: int = 3
-    step_weight: float = 0.8  # loss weight of TTT step k: step_weight**k
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_tokens: int = 2048  # tokens per pack (one pack per step and rank)
-    ckpt_every: int = 200
-    seed: int = 0
-    device: str = "auto"
-    heldout_modulus: int = HELDOUT_MODULUS  # held-out samples (eagleflow.data.heldout) are skipped
+def training_recipe(cfg: TrainConfig, draft_config: dict, layout, vocab: DraftVocab) -> dict:
+    """Everything that decides the trained weights: a checkpoint is resumed only when all of
+    it is unchanged. Not the world size (the global batch is in packs), nor the extent."""
+    settings = {
+        k: v for k, v in asdict(cfg).items() if k not in EXTENT_KEYS and k not in RUNTIME_KEYS
+    }
+    return {
+        "train_config": settings,
+        "draft_config": draft_config,
+        "shards": [Path(p).name for p in layout.paths],  # content-addressed names
+        "layer_ids": list(layout.layer_ids),
+        "vocab": vocab.summary(),
+    }
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine down to min_lr_ratio * lr (a function of the step only)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (
-        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine down to min_ratio (of the peak lr)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------- loss and metrics
 
 
 @dataclass
 class StepStats:
-    """Sums over the anchors of one TTT step (added over batches, all-reduced over ranks)."""
+    """Sums over the anchors of one TTT step (added over packs, all-reduced over ranks)."""
 
     kl: float = 0.0
     tokens: int = 0
@@ -89,19 +123,28 @@ class StepStats:
         }
 
 
-def all_reduce_stats(stats: list[StepStats], device) -> list[StepStats]:
-    """The per-step sums of every rank (one collective for all steps)."""
-    flat = torch.tensor([astuple(s) for s in stats], dtype=torch.float64, device=device)
+def all_reduce_sums(values: list[float], device) -> list[float]:
+    """Sums over the ranks (one collective); the values themselves in a single process."""
+    if not dist.is_initialized():
+        return list(values)
+    flat = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(flat)
+    return flat.cpu().tolist()
+
+
+def all_reduce_stats(stats: list[StepStats], device) -> list[StepStats]:
+    flat = all_reduce_sums([v for s in stats for v in astuple(s)], device)
+    n = len(fields(StepStats))
     return [
-        StepStats(kl, int(n), int(ok), int(cok), int(cn))
-        for kl, n, ok, cok, cn in flat.cpu().tolist()
+        StepStats(flat[i], *(int(round(v)) for v in flat[i + 1 : i + n]))
+        for i in range(0, len(flat), n)
     ]
 
 
 def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: float):
-    """Weighted KL over the TTT steps, and each step's `StepStats`."""
-    total = logits[0].new_zeros(())
+    """Weighted KL over the TTT steps (each step's mean over the pack's anchors), and each
+    step's `StepStats`."""
+    total = logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     target_logp = F.log_softmax(target_logits, dim=-1)
     prev_ok = batch.valid[0].clone()
@@ -129,53 +172,310 @@ def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: floa
     return total, stats
 
 
-def _distributed():
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if world > 1 else 0
-    return rank, world
+def validation_metrics(sums: list[StepStats], step_weight: float) -> dict:
+    """Loss, per-TTT-step metrics and the simulated acceptance length: the draft proposes
+    greedily and position k is accepted while every position up to k agreed with the
+    target, AL = 1 + sum_k prod_{j<=k} cond_acc_j (vLLM's mean accepted length + 1)."""
+    out = {"loss": sum(step_weight**k * s.kl / max(s.tokens, 1) for k, s in enumerate(sums))}
+    accepted, run = [], 1.0
+    for k, s in enumerate(sums):
+        out |= s.metrics(k)
+        run *= out[f"cond_acc_{k}"]
+        accepted.append(run)
+    out["tokens"] = sums[0].tokens
+    out["acceptance_per_position"] = accepted
+    out["simulated_acceptance_length"] = 1.0 + sum(accepted)
+    return out
 
 
-def _device(cfg: TrainConfig) -> torch.device:
+def pack_loss(model, head, batch, cfg: TrainConfig, device: torch.device):
+    """The TTT loss of one pack (states dequantized on the device; bf16 autocast on CUDA)."""
+    cuda = device.type == "cuda"
+    aux, final = batch.values(torch.bfloat16 if cuda else torch.float32)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        logits = model(aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
+    return ttt_loss(logits, head(final), batch, cfg.step_weight)
+
+
+def train_step(model, head, optim, cfg: TrainConfig, batches, micro_steps: int, device):
+    """One optimizer step over `micro_steps` packs (read lazily from `batches`): each pack's
+    loss / micro_steps is backpropagated, FSDP averages over the ranks, so the update is
+    the gradient of the mean pack loss of the global batch. Returns (sum of the real packs'
+    losses, real packs, summed `StepStats`, gradient norm before clipping)."""
+    loss_sum, packs, sums = 0.0, 0, [StepStats() for _ in range(cfg.ttt_steps)]
+    for batch in batches:
+        loss, stats = pack_loss(model, head, batch, cfg, device)
+        (loss / micro_steps).backward()
+        if batch.samples:
+            loss_sum += float(loss.detach())
+            packs += 1
+        sums = [a + b for a, b in zip(sums, stats)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return loss_sum, packs, sums, float(norm)
+
+
+@torch.no_grad()
+def evaluate(model, head, loader, cfg: TrainConfig, device) -> dict | None:
+    """`validation_metrics` over the held-out packs of every rank (None without any)."""
+    model.eval()
+    sums = [StepStats() for _ in range(cfg.ttt_steps)]
+    for batch in loader:
+        _, stats = pack_loss(model, head, batch.to(device, non_blocking=True), cfg, device)
+        sums = [a + b for a, b in zip(sums, stats)]
+    model.train()
+    sums = all_reduce_stats(sums, device)
+    return validation_metrics(sums, cfg.step_weight) if sums[0].tokens else None
+
+
+# ---------------------------------------------------------------- model, parallelism, state
+
+
+def build_draft(target_dir, vocab: DraftVocab, num_aux: int, seed: int, **draft_overrides):
+    """A fresh draft (seeded init) with the target's embedding and the vocab maps."""
+    config = read_target_config(target_dir)
+    cfg = DraftConfig.for_target(config, vocab.size, num_aux, **draft_overrides)
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    model.set_vocab(vocab.d2t, vocab.t2d)
+    model.set_embedding(read_target_tensor(target_dir, EMBED))
+    return model
+
+
+def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device): a process group under torchrun (nccl on CUDA, gloo on
+    CPU), none in a single process."""
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.device != "auto":
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+        device = torch.device(cfg.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not torchrun:
+        return 0, 1, device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
-def _atomic_save(obj, path: Path) -> None:
+def parallelize(model, device: torch.device) -> str:
+    """FSDP2 over the trainable modules when a process group is up: each decoder layer, then
+    the rest (fc, norm, lm_head) at the root; the frozen embedding is left out (replicated,
+    never sharded, never in optimizer state). Returns the mode for the summary."""
+    if not dist.is_initialized():
+        return "single process"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=frozen or None)
+    fully_shard(model, mesh=mesh, ignored_params=frozen or None)
+    return f"fsdp ({dist.get_backend()})"
+
+
+def trainable(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
+
+
+class ModelAndOptimizer:
+    """Stateful: the draft's trainable weights and the optimizer, FQN-keyed (DCP reshards
+    them to any world size, FSDP or not)."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_state, optim_state = get_state_dict(self.model, self.optim, options=options)
+        return {"model": trainable(model_state), "optim": optim_state}
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optim,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=False, ignore_frozen_params=True),
+        )
+
+
+@dataclass
+class Progress:
+    """Stateful: where the run is (the data position is the step: `PackPlan`) and what it
+    has done; the learning-rate schedule is a function of the step, so this is its state too."""
+
+    step: int = 0
+    tokens_trained: int = 0  # loss-masked target tokens trained on
+    samples_trained: int = 0
+    best_step: int = 0
+    best: dict | None = None  # the best evaluation so far (`validation_metrics`)
+
+    def state_dict(self):  # one JSON string: DCP would flatten `best` into keys of its own
+        return {"json": json.dumps(asdict(self))}
+
+    def load_state_dict(self, state):
+        for k, v in json.loads(state["json"]).items():
+            setattr(self, k, v)
+
+
+class RngState:
+    """Stateful: the CPU generator (nothing in training draws from it today; kept so a later
+    noise augmentation resumes exactly)."""
+
+    def state_dict(self):
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(state["cpu"])
+
+
+def full_weights(model) -> dict:
+    """The trainable weights and vocab maps, whole, on the CPU (rank 0's under FSDP)."""
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+    else:
+        state = model.state_dict()
+    return {k: v.detach().cpu() for k, v in trainable(state).items()}
+
+
+def check_memory(draft_cfg, cfg: TrainConfig, pack_tokens: int, world: int, device, log):
+    """Refuse, before the device is touched, a run whose largest pack cannot fit
+    (`eagleflow.draft.memory_plan`); the plan goes to the log."""
+    workload = Workload(pack_tokens, cfg.ttt_steps, world, device.type)
+    plan = plan_memory(draft_cfg, workload, device_memory(cfg.device_memory_gb or None, device))
+    log(plan.describe())
+    try:
+        return check_plan(draft_cfg, plan)
+    except ValueError as e:
+        if pack_tokens > cfg.max_tokens:  # the pack of the longest sample, not max_tokens
+            raise type(e)(
+                f"{str(e).rstrip('.')}, or set draft.max_sample_tokens below the longest "
+                f"training sample ({pack_tokens} tokens, trained as a pack of its own)."
+            ) from None
+        raise
+
+
+def resume(out: Path, state: dict, recipe: dict, total: int, log) -> int:
+    """Load the latest checkpoint when it belongs to this run; its step (0 otherwise)."""
+    path = checkpoint.latest(out)
+    if path is None:
+        return 0
+    changed = checkpoint.changed_keys(checkpoint.read_recipe(path), recipe)
+    step = checkpoint.checkpoint_step(path)
+    if changed:
+        log(
+            f"{path}: written for another training run ({', '.join(changed)} changed); "
+            "training from step 0"
+        )
+        return 0
+    if step > total:
+        log(
+            f"{path}: at step {step}, past this run's end ({total} steps: epochs or max_steps "
+            "reduced); training from step 0"
+        )
+        return 0
+    checkpoint.load(state, path)
+    log(f"resuming from {path} (step {step} of {total})")
+    return state["progress"].step
+
+
+# ---------------------------------------------------------------- the run's files
+
+
+def _fmt(metrics: dict, k: int) -> dict:
+    return {
+        f"loss_{k}": f"{metrics[f'loss_{k}']:.6f}",
+        f"acc_{k}": f"{metrics[f'acc_{k}']:.4f}",
+        f"cond_acc_{k}": f"{metrics[f'cond_acc_{k}']:.4f}",
+    }
+
+
+def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
     os.replace(tmp, path)
 
 
-def _columns(ttt_steps: int) -> list[str]:
-    cols = ["step", "lr", "loss", "tokens"]
-    for k in range(ttt_steps):
-        cols += [f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"]
-    return cols + ["elapsed_s"]
+class RunFiles:
+    """metrics.csv, validation.csv, progress.json, curves.png and summary.json; rows are
+    kept by every rank, written by rank 0, and on resume read back up to the checkpoint."""
+
+    def __init__(self, out: Path, ttt_steps: int, start: int, rank: int):
+        self.out, self.ttt_steps, self.rank = out, ttt_steps, rank
+        per_step = [c for k in range(ttt_steps) for c in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}")]
+        self.columns = ["step", "epoch", "lr", "loss", "grad_norm", "tokens", *per_step]
+        self.columns += ["data_wait_s", "elapsed_s"]
+        self.val_columns = ["step", "loss", "simulated_acceptance_length", "tokens", *per_step]
+        self.rows = self._read(METRICS, start)
+        self.val_rows = self._read(VALIDATION, start)
+
+    def _read(self, name: str, up_to_step: int) -> list[dict]:
+        path = self.out / name
+        if self.rank != 0 or not path.exists():
+            return []
+        with open(path, newline="") as f:
+            return [r for r in csv.DictReader(f) if int(r["step"]) <= up_to_step]
+
+    def _write(self, name: str, columns, rows) -> None:
+        tmp = self.out / (name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.out / name)
+
+    def step(self, row: dict, sums: list[StepStats]) -> dict:
+        """A step's row: `row`'s columns and each TTT step's metrics."""
+        for k, stats in enumerate(sums):
+            row |= _fmt(stats.metrics(k), k)
+        self.rows.append(row)
+        return row
+
+    def validation(self, step: int, metrics: dict) -> None:
+        row = {
+            "step": step,
+            "loss": f"{metrics['loss']:.6f}",
+            "simulated_acceptance_length": f"{metrics['simulated_acceptance_length']:.4f}",
+            "tokens": metrics["tokens"],
+        }
+        for k in range(self.ttt_steps):
+            row |= _fmt(metrics, k)
+        self.val_rows.append(row)
+
+    def checkpointed(self, status: dict) -> None:
+        """The rows a checkpoint holds, and where the run stands (progress.json)."""
+        if self.rank == 0:
+            self._write(METRICS, self.columns, self.rows)
+            self._write(VALIDATION, self.val_columns, self.val_rows)
+            _write_json(self.out / PROGRESS, status)
+
+    def finished(self, summary: dict) -> None:
+        if self.rank == 0:
+            plot_curves(self.rows, self.ttt_steps, self.out / CURVES, self.val_rows)
+            _write_json(self.out / SUMMARY, summary)
 
 
-def _read_rows(path: Path, up_to_step: int) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if int(r["step"]) <= up_to_step]
-
-
-def _write_rows(path: Path, columns, rows) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
-
-def plot_curves(rows: list[dict], ttt_steps: int, path: Path) -> None:
+def plot_curves(rows: list[dict], ttt_steps: int, path: Path, val_rows=()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,17 +484,26 @@ def plot_curves(rows: list[dict], ttt_steps: int, path: Path) -> None:
     if not rows:
         return
     steps = [int(r["step"]) for r in rows]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc, ax_al) = plt.subplots(1, 3, figsize=(16, 4))
     ax_loss.plot(steps, [float(r["loss"]) for r in rows], label="weighted total", color="black")
     for k in range(ttt_steps):
         ax_loss.plot(steps, [float(r[f"loss_{k}"]) for r in rows], label=f"TTT step {k}", alpha=0.7)
         ax_acc.plot(steps, [float(r[f"acc_{k}"]) for r in rows], label=f"TTT step {k}", alpha=0.7)
+    if val_rows:
+        vsteps = [int(r["step"]) for r in val_rows]
+        ax_loss.plot(vsteps, [float(r["loss"]) for r in val_rows], "o-", label="held out")
+        ax_al.plot(vsteps, [float(r["simulated_acceptance_length"]) for r in val_rows], "o-")
     ax_loss.set(xlabel="training step", ylabel="KL(target || draft)", yscale="log", title="loss")
     ax_acc.set(
         xlabel="training step",
         ylabel="top-1 agreement with the target",
         ylim=(0, 1),
         title="accuracy per TTT step",
+    )
+    ax_al.set(
+        xlabel="training step",
+        ylabel="1 + sum_k prod_j<=k cond_acc_j",
+        title="simulated acceptance length (held out)",
     )
     ax_loss.legend()
     ax_acc.legend()
@@ -205,47 +514,61 @@ def plot_curves(rows: list[dict], ttt_steps: int, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def build_draft(target_dir, vocab: DraftVocab, num_aux: int, seed: int, **draft_overrides):
-    """A fresh draft (seeded init) with the target's embedding and the vocab maps."""
-    config = read_target_config(target_dir)
-    cfg = DraftConfig.for_target(config, vocab.size, num_aux, **draft_overrides)
-    torch.manual_seed(seed)
-    model = Eagle3Draft(cfg)
-    model.set_vocab(vocab.d2t, vocab.t2d)
-    model.set_embedding(read_target_tensor(target_dir, EMBED).float())
-    return model
+# ---------------------------------------------------------------- the loop
 
 
-def optimizer_step(
-    model, head, params, optim, cfg: TrainConfig, batch, step: int, device: torch.device
-):
-    """One training step (learning rate of `step`, bf16 autocast on CUDA, TTT loss, clipped
-    update); returns (loss, per-TTT-step stats)."""
-    for group in optim.param_groups:
-        group["lr"] = lr_at(cfg, step)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
-    loss, stats = ttt_loss(logits, head(batch.final), batch, cfg.step_weight)
-    optim.zero_grad(set_to_none=True)
-    loss.backward()
-    if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    optim.step()
-    return loss, stats
+@dataclass
+class TrainData:
+    """What the run trains and validates on, and how many steps that makes."""
 
+    layout: object  # ShardLayout
+    table: object  # SampleTable (training, held-out and cut samples)
+    plan: PackPlan
+    epoch_starts: list[int]  # first step of each epoch, the epochs' total last
+    total: int  # steps this run trains to (epochs, or max_steps when set)
+    eval_table: object  # the table whose held-out samples are validated on
 
-def training_recipe(cfg: TrainConfig, draft_config: dict, layout, vocab: DraftVocab, world: int):
-    """Everything that decides the trained weights: a checkpoint is resumed only when all of
-    it is unchanged (not how often checkpoints are written, nor on which device)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("ckpt_every", "device")}
-    return {
-        "train_config": settings,
-        "draft_config": draft_config,
-        "shards": [Path(p).name for p in layout.paths],  # content-addressed names
-        "layer_ids": list(layout.layer_ids),
-        "vocab": vocab.summary(),
-        "world_size": world,
-    }
+    @classmethod
+    def read(cls, shards, num_hidden_layers: int, cfg: TrainConfig, log) -> TrainData:
+        layout = read_layout(shard_paths(shards), num_hidden_layers)
+        table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
+        for c in table.cut:
+            log(
+                f"sample {c['sample_id']} of {c['shard']}: {c['tokens']} tokens, more than "
+                f"draft.max_sample_tokens = {cfg.max_sample_tokens}: NOT trained"
+            )
+        if not len(table.train):
+            raise ValueError(f"no training samples in {layout.paths} outside the held-out split")
+        plan = PackPlan(table, cfg.max_tokens, cfg.batch_packs, cfg.seed)
+        starts = plan.epoch_starts(cfg.epochs)
+        total = min(starts[-1], cfg.max_steps) if cfg.max_steps else starts[-1]
+        eval_table = table
+        if cfg.eval_samples and len(table.heldout) > cfg.eval_samples:
+            rng = np.random.default_rng([cfg.seed, 1 << 20])
+            pick = rng.choice(len(table.heldout), cfg.eval_samples, replace=False)
+            eval_table = replace(table, heldout=np.sort(table.heldout[pick]))
+        log(
+            f"{len(table.train)} training samples ({len(table.heldout)} held out, "
+            f"{len(table.cut)} not trained) in {plan.num_packs(0)} packs of up to "
+            f"{cfg.max_tokens} tokens; {cfg.epochs} epochs = {starts[-1]} steps of "
+            f"{cfg.batch_packs} packs; training {total}"
+        )
+        return cls(layout, table, plan, starts, total, eval_table)
+
+    def epoch_of(self, step: int) -> int:
+        return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
+
+    def loaders(self, cfg: TrainConfig, start: int, end: int, rank: int, world: int, pin: bool):
+        """(training loader, its sampler, validation loader) of this rank."""
+        dataset = PackDataset(self.layout, self.table, cfg.ttt_steps)
+        sampler = RankSampler(self.plan, self.epoch_starts, start, end, rank, world)
+        workers = (cfg.num_workers, cfg.prefetch_factor, pin)
+        held = HeldoutSampler(self.eval_table, cfg.max_tokens, rank, world)
+        return (
+            data_loader(dataset, sampler, *workers),
+            sampler,
+            data_loader(dataset, held, *workers),
+        )
 
 
 def train(
@@ -257,161 +580,205 @@ def train(
     draft_overrides: dict | None = None,
     stop_after: int | None = None,
 ) -> dict:
-    """Train (or resume) and return a summary; `stop_after` ends early as a crash would."""
-    rank, world = _distributed()
-    device = _device(cfg)
+    """Train (or resume) and return the summary; `stop_after` ends early as a crash would
+    (no checkpoint, no summary)."""
+    rank, world, device = init_distributed(cfg)
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
     out = Path(out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    target_config = read_target_config(target_dir)
-    layout = read_layout(sorted(str(p) for p in shards), int(target_config["num_hidden_layers"]))
-    packs = make_packs(layout.paths, cfg.max_tokens, excluder(cfg.heldout_modulus))
-    if not packs:
-        raise ValueError(f"no training samples in {layout.paths} outside the held-out split")
-    model = build_draft(target_dir, vocab, len(layout.aux_ids), cfg.seed, **(draft_overrides or {}))
-    head = TargetHead.load(target_dir, vocab.target_ids)
+    num_layers = int(read_target_config(target_dir)["num_hidden_layers"])
+    data = TrainData.read(shards, num_layers, cfg, log)
+    total, warmup = data.total, round(cfg.warmup_ratio * data.total)
+
+    model = build_draft(
+        target_dir, vocab, len(data.layout.aux_ids), cfg.seed, **(draft_overrides or {})
+    )
+    check_memory(model.cfg, cfg, max(cfg.max_tokens, data.table.longest_train), world, device, log)
+    head = TargetHead.load(target_dir, vocab.target_ids, dtype=torch.bfloat16).to(device)
     model.to(device)
-    head.to(device)
+    mode = parallelize(model, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    progress = Progress()
+    state = {"train": ModelAndOptimizer(model, optim), "progress": progress, "rng": RngState()}
+    recipe = training_recipe(cfg, model.cfg.architecture(), data.layout, vocab)
+    checkpoint.clean(out, rank)
+    start = resume(out, state, recipe, total, log)
+    if start == 0:  # a best draft there is another run's (or this one's, made again)
+        checkpoint.drop_best(out, rank)
+    end = total if stop_after is None else min(total, stop_after)
+    files = RunFiles(out, cfg.ttt_steps, start, rank)
+    loader, sampler, val_loader = data.loaders(
+        cfg, start, end, rank, world, pin=device.type == "cuda"
+    )
+    log(f"{mode} on {world} rank(s), {sampler.micro_steps} pack(s) per rank and step")
 
-    start = 0
-    ckpt_path = out / CHECKPOINT
-    recipe = training_recipe(cfg, model.cfg.to_dict(), layout, vocab, world)
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        changed = sorted(k for k in recipe if ckpt.get("recipe", {}).get(k) != recipe[k])
-        if changed:
-            # Another run's checkpoint (a changed seed, lr, shard set...): resuming it would
-            # export a draft that is not this configuration's. Start over.
-            if rank == 0:
-                print(
-                    f"{ckpt_path}: written for another training run ({', '.join(changed)} "
-                    "differ); training from step 0"
-                )
-        else:
-            model.load_state_dict(ckpt["model"])
-            optim.load_state_dict(ckpt["optimizer"])
-            start = ckpt["step"]
-    columns = _columns(cfg.ttt_steps)
-    rows = _read_rows(out / METRICS, start) if rank == 0 else []
-    ddp = model
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-
-    def checkpoint(step):
-        if rank == 0:
-            _atomic_save(
-                {
-                    "step": step,
-                    "model": model.state_dict(),
-                    "optimizer": optim.state_dict(),
-                    "draft_config": model.cfg.to_dict(),
-                    "train_config": asdict(cfg),
-                    "recipe": recipe,
-                    "layer_ids": layout.layer_ids,
-                    "aux_ids": layout.aux_ids,
-                    "target": str(target_dir),
-                    "vocab": vocab.summary(),
-                },
-                ckpt_path,
+    def keep_if_best(step):
+        """Validate; keep the draft in best/ when its simulated acceptance length is the best
+        so far (without held-out samples: the last draft)."""
+        metrics = evaluate(model, head, val_loader, cfg, device)
+        if metrics is not None:
+            files.validation(step, metrics)
+            log(
+                f"step {step}: held-out loss {metrics['loss']:.4f}, simulated acceptance "
+                f"length {metrics['simulated_acceptance_length']:.3f}"
             )
-            _write_rows(out / METRICS, columns, rows)
-            plot_curves(rows, cfg.ttt_steps, out / CURVES)
-        if world > 1:
-            dist.barrier()
+        best = (progress.best or {}).get("simulated_acceptance_length", -1.0)
+        if (metrics and metrics["simulated_acceptance_length"] > best) or (
+            metrics is None and step == total
+        ):
+            progress.best, progress.best_step = metrics, step
+            meta = {
+                "draft_config": model.cfg.to_dict(),
+                "aux_ids": data.layout.aux_ids,
+                "layer_ids": data.layout.layer_ids,
+                "target": str(target_dir),
+                "vocab": vocab.summary(),
+                "step": step,
+                "simulated_acceptance_length": metrics and metrics["simulated_acceptance_length"],
+                "validation": metrics,
+                "recipe": recipe,
+            }
+            checkpoint.save_best(full_weights(model), meta, out, rank)
 
     t0 = time.time()
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc="train draft", mininterval=2)
+    timing = {"wait": 0.0, "step": 0.0}  # this run's seconds waiting for data, and stepping
+    seen = {"samples": 0, "tokens": 0, "wait": 0.0}  # this step's
+    tokens_run = 0
+    batches = iter(loader)
+
+    def micro_batches():
+        """This step's packs, timing the wait for each and counting what they train."""
+        for _ in range(sampler.micro_steps):
+            t = time.perf_counter()
+            batch = next(batches).to(device, non_blocking=True)
+            seen["wait"] += time.perf_counter() - t
+            seen["samples"] += batch.samples
+            seen["tokens"] += batch.trained_tokens
+            yield batch
+
+    model.train()
     for step in range(start, end):
-        batch = load_pack(layout, pack_for(packs, cfg.seed, step * world + rank), cfg.ttt_steps).to(
-            device
+        t_step = time.perf_counter()
+        seen.update(samples=0, tokens=0, wait=0.0)
+        lr = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
+        for group in optim.param_groups:
+            group["lr"] = lr
+        loss_sum, packs, sums, norm = train_step(
+            model, head, optim, cfg, micro_batches(), sampler.micro_steps, device
         )
-        loss, stats = optimizer_step(ddp, head, params, optim, cfg, batch, step, device)
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-            stats = all_reduce_stats(stats, device)
+        timing["step"] += time.perf_counter() - t_step
+        timing["wait"] += seen["wait"]
+        loss_sum, packs, samples, tokens, wait = all_reduce_sums(
+            [loss_sum, packs, seen["samples"], seen["tokens"], seen["wait"]], device
+        )
+        sums = all_reduce_stats(sums, device)
+        progress.step = step + 1
+        progress.tokens_trained += int(tokens)
+        progress.samples_trained += int(samples)
+        tokens_run += int(tokens)
         row = {
             "step": step + 1,
-            "lr": f"{lr_at(cfg, step):.3e}",
-            "loss": f"{loss.item():.6f}",
-            "tokens": stats[0].tokens,
+            "epoch": data.epoch_of(step) + 1,
+            "lr": f"{lr:.3e}",
+            "loss": f"{loss_sum / max(packs, 1):.6f}",
+            "grad_norm": f"{norm:.4f}",
+            "tokens": int(tokens),
+            "data_wait_s": f"{wait / world:.4f}",
             "elapsed_s": f"{time.time() - t0:.2f}",
         }
-        for k, s in enumerate(stats):
-            m = s.metrics(k)
-            row[f"loss_{k}"] = f"{m[f'loss_{k}']:.6f}"
-            row[f"acc_{k}"] = f"{m[f'acc_{k}']:.4f}"
-            row[f"cond_acc_{k}"] = f"{m[f'cond_acc_{k}']:.4f}"
-        rows.append(row)
-        bar.update(1)
-        bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
-        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-            checkpoint(step + 1)
-    bar.close()
-    return {
+        files.step(row, sums)
+        if (step - start) % 50 == 0:
+            log(f"step {step + 1}/{total}: loss {row['loss']}, acc_0 {row['acc_0']}")
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total:
+            keep_if_best(step + 1)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == total:
+            checkpoint.save(state, out, step + 1, recipe, rank)
+            files.checkpointed(
+                {
+                    "step": step + 1,
+                    "total_steps": total,
+                    "epochs": cfg.epochs,
+                    "tokens_trained": progress.tokens_trained,
+                    "tokens_per_second": tokens_run / max(time.time() - t0, 1e-9),
+                    "world_size": world,
+                }
+            )
+    if end < total:  # stopped as a crash would
+        return {"start_step": start, "end_step": end, "world_size": world}
+    if start == total and not (out / checkpoint.BEST).exists():  # finished, best/ lost
+        keep_if_best(total)
+
+    wait_s, step_s = all_reduce_sums([timing["wait"], timing["step"]], device)
+    table, best = data.table, progress.best or {}
+    summary = {
+        "world_size": world,
+        "parallelism": mode,
+        "device": device.type,
+        "epochs": cfg.epochs,
+        "steps": total,
+        "steps_per_epoch": [b - a for a, b in zip(data.epoch_starts, data.epoch_starts[1:])],
+        "batch_packs": cfg.batch_packs,
+        "micro_steps_per_rank": sampler.micro_steps,
         "start_step": start,
         "end_step": end,
+        "tokens_trained": progress.tokens_trained,
+        "samples_trained": progress.samples_trained,
+        "samples_cut": len(table.cut),
+        "samples_cut_names": table.cut,
+        "train_samples": len(table.train),
+        "heldout_samples": len(table.heldout),
+        "eval_samples": len(data.eval_table.heldout),
+        "longest_sample_tokens": table.longest_train,
+        "packs_per_epoch": data.plan.num_packs(0),
+        "pack_fill": float(table.length[table.train].sum())
+        / (data.plan.num_packs(0) * cfg.max_tokens),
+        "best_step": progress.best_step,
+        "simulated_acceptance_length": {
+            "total": best.get("simulated_acceptance_length"),
+            "per_position": best.get("acceptance_per_position"),
+            "conditional_accuracy": [best.get(f"cond_acc_{k}") for k in range(cfg.ttt_steps)],
+        },
+        "validation_loss": best.get("loss"),
+        "data_wait_share": wait_s / step_s if step_s else 0.0,
         "seconds": time.time() - t0,
-        "packs": len(packs),
-        "heldout_modulus": cfg.heldout_modulus,
-        "world_size": world,
-        "last": rows[-1] if rows else None,
+        "tokens_per_second": tokens_run / max(time.time() - t0, 1e-9),
+        "last": files.rows[-1] if files.rows else None,
     }
+    files.finished(summary)
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
 
 
-def load_trained(path, map_location="cpu"):
-    """(draft, checkpoint dict) from a checkpoint file or a trainer's output directory."""
+def load_trained(path, target_dir=None):
+    """(draft, meta) from a trainer's output directory or its `best/`: the best draft's
+    weights, with the frozen embedding read again from the target (`target_dir`, else the
+    one it was trained against). meta holds `aux_ids`, `step`, `vocab`, `draft_config`..."""
+    from safetensors.torch import load_file
+
     path = Path(path)
-    ckpt = torch.load(
-        path / CHECKPOINT if path.is_dir() else path, map_location=map_location, weights_only=False
+    best = path if (path / checkpoint.BEST_META).exists() else path / checkpoint.BEST
+    with open(best / checkpoint.BEST_META) as f:
+        meta = json.load(f)
+    model = Eagle3Draft(DraftConfig(**meta["draft_config"]))
+    missing, unexpected = model.load_state_dict(
+        load_file(str(best / checkpoint.BEST_WEIGHTS)), strict=False
     )
-    model = Eagle3Draft(DraftConfig(**ckpt["draft_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model, ckpt
-
-
-@torch.no_grad()
-def evaluate_draft(
-    model: Eagle3Draft,
-    shards,
-    target_dir,
-    vocab: DraftVocab,
-    ttt_steps: int = 3,
-    max_tokens: int = 2048,
-) -> dict:
-    """Per-TTT-step KL and top-1 agreement with the target over every pack of `shards`."""
-    target_config = read_target_config(target_dir)
-    layout = read_layout(sorted(str(p) for p in shards), int(target_config["num_hidden_layers"]))
-    head = TargetHead.load(target_dir, vocab.target_ids)
-    sums = [StepStats() for _ in range(ttt_steps)]
-    model.eval()
-    for pack in make_packs(layout.paths, max_tokens):
-        batch = load_pack(layout, pack, ttt_steps)
-        logits = model(batch.aux, batch.tokens, batch.positions, batch.doc, ttt_steps)
-        _, stats = ttt_loss(logits, head(batch.final), batch, 1.0)
-        sums = [a + b for a, b in zip(sums, stats)]
-    out = {}
-    for k, s in enumerate(sums):
-        out |= s.metrics(k) | {f"tokens_{k}": s.tokens}
-    # expected tokens per target step if drafts were accepted while they agree (greedy)
-    run, length = 1.0, 1.0
-    for k in range(ttt_steps):
-        run *= out[f"cond_acc_{k}"]
-        length += run
-    out["estimated_acceptance_length"] = length
-    return out
+    if unexpected or any(not k.startswith(FROZEN_PREFIXES) for k in missing):
+        raise ValueError(f"{best}: weights do not fit the draft ({missing=}, {unexpected=})")
+    model.set_embedding(read_target_tensor(target_dir or meta["target"], EMBED))
+    return model, meta
 
 
 def main(argv=None):
-    """CLI, also under torchrun: `torchrun --nproc_per_node 8 -m eagleflow.draft.train ...`."""
+    """CLI: one process, or `torchrun --nproc_per_node N -m eagleflow.draft.train ...`."""
     import argparse
-    import json
 
     from eagleflow.draft.vocab import load_vocab
 
@@ -420,10 +787,21 @@ def main(argv=None):
     p.add_argument("--target", required=True)
     p.add_argument("--vocab", required=True, help="vocab.safetensors from draft_vocab")
     p.add_argument("--out", required=True)
-    p.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+    p.add_argument("--config", default="{}", help="TrainConfig fields: JSON, or a JSON file")
+    p.add_argument("--draft", default="{}", help="DraftConfig overrides as JSON")
+    p.add_argument(
+        "--stop-after", type=int, default=None, help="end after this step, as a crash would"
+    )
     a = p.parse_args(argv)
+    config = a.config if a.config.lstrip().startswith("{") else Path(a.config).read_text()
     summary = train(
-        a.shards, a.target, load_vocab(a.vocab), a.out, TrainConfig(**json.loads(a.config))
+        a.shards,
+        a.target,
+        load_vocab(a.vocab),
+        a.out,
+        TrainConfig(**json.loads(config)),
+        json.loads(a.draft),
+        stop_after=a.stop_after,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary, default=str))
@@ -432,4 +810,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,90 @@
+"""The draft memory plan's table for Kimi-K2.5 (or any target's config.json), as markdown.
+
+A calculation (`eagleflow.draft.memory_plan`), not a GPU measurement. docs/draft-memory.md
+holds its output; regenerate it with
+
+    python benchmarks/memory_plan_table.py > /tmp/table.md
+    python benchmarks/memory_plan_table.py --target-config /models/X/config.json --ranks 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+
+from eagleflow.draft.memory_plan import GB, Workload, draft_config_for, plan_memory  # noqa: E402
+
+# Kimi-K2.5's text model as its config.json publishes it (`text_config`), the fields a draft
+# is sized from.
+KIMI_K25 = {
+    "text_config": {
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "vocab_size": 163840,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
+    }
+}
+# Memory as torch.cuda reports it (GiB): H100 SXM 80 GB, H200 141 GB.
+DEVICES = {"H100": 79.1, "H200": 139.8}
+
+
+def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> str:
+    """One row per (sequence, TTT steps, checkpointing): GiB per device by part, and whether
+    it fits each of `DEVICES` (the parts do not depend on the device)."""
+    fits = " | ".join(f"fits {name}" for name in DEVICES)
+    rows = [
+        "| sequence | TTT | ckpt | params+grads+optimizer | working | frozen | inputs "
+        f"| activations | loss | total | {fits} |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|" + "---|" * len(DEVICES),
+    ]
+    for tokens in (4096, 8192, 16384):
+        for steps in (3, 7):
+            for ckpt in (False, True):
+                cfg = draft_config_for(
+                    target_config, draft_vocab, num_aux, activation_checkpointing=ckpt
+                )
+                plans = [
+                    plan_memory(cfg, Workload(tokens, steps, ranks), int(gib * GB))
+                    for gib in DEVICES.values()
+                ]
+                plan = plans[0]
+                state = plan.params + plan.grads + plan.optimizer
+                cells = [state, plan.working, plan.frozen, plan.inputs, plan.activations]
+                cells += [plan.loss, plan.total]
+                rows.append(
+                    f"| {tokens // 1024}k | {steps} | {'on' if ckpt else 'off'} | "
+                    + " | ".join(f"{c / GB:.1f}" for c in cells)
+                    + " | "
+                    + " | ".join("yes" if p.fits else "**no**" for p in plans)
+                    + " |"
+                )
+    first = plan_memory(draft_config_for(target_config, draft_vocab, num_aux), Workload(1, 1))
+    head = (
+        f"{first.trainable_params:,} trainable parameters, {ranks} ranks (FSDP), bf16 autocast, "
+        "flex attention; GiB per device; fits: the total is at most 90% of the device's memory "
+        f"({', '.join(f'{k} {v} GiB' for k, v in DEVICES.items())}, as torch.cuda reports it)."
+    )
+    return head + "\n\n" + "\n".join(rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target-config", help="a target's config.json (default: Kimi-K2.5's)")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--num-aux", type=int, default=3)
+    args = p.parse_args(argv)
+    config = json.loads(Path(args.target_config).read_text()) if args.target_config else KIMI_K25
+    print(table(config, args.ranks, args.draft_vocab, args.num_aux))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""A tiny target (config, embedding, norm, lm_head) and synthetic extracted shards for the
+draft's tests: seconds on a CPU, no vLLM."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagleflow.store.quant import FP8, SCALES_KEY, quantize
+
+H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
+LAYER_IDS = [1, 2, 3, L]
+# DraftConfig overrides that keep the draft tiny (heads of 8 over hidden 32)
+TINY_DRAFT = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def write_target(d: Path, seed=0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_hidden_layers": L,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
+            "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+            "lm_head.weight": torch.randn(V, H, generator=g).bfloat16(),
+            "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2).bfloat16(),  # never read
+        },
+        str(d / "model.safetensors"),
+    )
+    return d
+
+
+def write_shard(
+    path: Path,
+    n_samples: int,
+    seed: int,
+    layer_ids=LAYER_IDS,
+    vocab_hi=V,
+    storage_dtype=None,
+    lengths=None,
+):
+    """A shard whose final state is a function of the next token (so there is something to
+    learn); `storage_dtype` float8_e4m3fn stores it quantized, with its scales; `lengths`
+    fixes the samples' lengths (else 6 to 13 tokens each)."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(6, 14, (n_samples,), generator=g)
+    else:
+        lengths = torch.tensor(lengths)
+        n_samples = len(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, vocab_hi, (n,), generator=g)
+    mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
+    table = torch.randn(V, len(layer_ids), H, generator=torch.Generator().manual_seed(99))
+    hidden = table[ids] + 0.05 * torch.randn(n, len(layer_ids), H, generator=g)
+    states = {"hidden_states": hidden.bfloat16()}
+    if storage_dtype == FP8:
+        states["hidden_states"], states[SCALES_KEY] = quantize(states["hidden_states"])
+    save_file(
+        {
+            **states,
+            "input_ids": ids,
+            "loss_mask": mask,
+            "offsets": offsets,
+        },
+        str(path),
+        metadata={
+            "layer_ids": json.dumps(layer_ids),
+            "layer_id_convention": "vllm",
+            "format": "eagleflow-hidden-v1",
+            "fingerprint": "0" * 16,
+            "sample_ids": json.dumps([f"s{seed}-{i}" for i in range(n_samples)]),
+            **({"storage_dtype": storage_dtype} if storage_dtype else {}),
+        },
+    )
+    return path

@@ -1,0 +1,289 @@
+"""The draft trainer at several world sizes (torchrun, gloo on CPU): the same global batch
+gives the same step at 1 and 2 ranks, checkpoints resume across world sizes and extended
+runs, a killed rank fails the job by name and the rerun resumes; its data plan (packing
+across shards, per-epoch shuffles, exact positions) and samples longer than a pack.
+
+Tiny target and shards (`support.draft_fixtures`): each test takes seconds.
+"""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleflow.data.heldout import excluder
+from eagleflow.draft.data import PackPlan, RankSampler, read_layout, sample_table
+from eagleflow.draft.train import TrainConfig, load_trained, train
+from eagleflow.draft.vocab import build_draft_vocab, save_vocab
+from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
+
+REPO = Path(__file__).resolve().parents[1]
+# 2 x 12 samples of 6-13 tokens in packs of 64: 4 packs an epoch, 2 steps of 2 packs
+CONFIG = dict(
+    epochs=3,
+    batch_packs=2,
+    max_tokens=64,
+    lr=3e-3,
+    warmup_ratio=0.1,
+    save_every=2,
+    eval_every=2,
+    num_workers=1,
+    device="cpu",
+)
+
+
+@pytest.fixture
+def data(tmp_path):
+    target = write_target(tmp_path / "target")
+    shards = [write_shard(tmp_path / f"shard{i}.safetensors", 12, seed=i) for i in range(2)]
+    vocab = build_draft_vocab(shards, V, 48)
+    save_vocab(vocab, tmp_path / "vocab.safetensors")
+    return target, shards, vocab
+
+
+def run_here(data, out, stop_after=None, **changes):
+    """One rank, in this process (no process group: the plain model)."""
+    target, shards, vocab = data
+    cfg = TrainConfig(**{**CONFIG, **changes})
+    return train(shards, target, vocab, out, cfg, TINY_DRAFT, stop_after=stop_after)
+
+
+def torchrun_command(data, out, nproc, stop_after=None, **changes):
+    """`torchrun --nproc_per_node N -m eagleflow.draft.train ...`; N = 0: the CLI alone."""
+    target, shards, _ = data
+    cmd = [sys.executable, "-m", "eagleflow.draft.train"]
+    if nproc:
+        cmd[2:2] = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
+    cmd += ["--shards", *map(str, shards), "--target", str(target)]
+    cmd += ["--vocab", str(Path(target).parent / "vocab.safetensors"), "--out", str(out)]
+    cmd += ["--config", json.dumps({**CONFIG, **changes}), "--draft", json.dumps(TINY_DRAFT)]
+    if stop_after is not None:
+        cmd += ["--stop-after", str(stop_after)]
+    return cmd
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "workflow"))
+
+
+def torchrun(data, out, nproc, stop_after=None, **changes):
+    proc = subprocess.run(
+        torchrun_command(data, out, nproc, stop_after, **changes),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def losses(out) -> list[float]:
+    with open(Path(out) / "metrics.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def assert_same_draft(a, b, atol=1e-5):
+    (x, _), (y, _) = load_trained(a), load_trained(b)
+    for (name, p), (_, q) in zip(x.state_dict().items(), y.state_dict().items()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=name)
+
+
+# ---------------------------------------------------------------- distributed runs
+
+
+def test_two_ranks_take_the_steps_of_one_rank_with_the_same_global_batch(data, tmp_path):
+    """2 ranks x 1 pack (FSDP on gloo) against 1 rank accumulating 2 packs."""
+    one = run_here(data, tmp_path / "one")
+    proc = torchrun(data, tmp_path / "two", 2)
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["world_size"] == 1 and one["micro_steps_per_rank"] == 2
+    assert two["world_size"] == 2 and two["micro_steps_per_rank"] == 1
+    assert two["parallelism"] == "fsdp (gloo)", two["parallelism"]
+    assert len(losses(tmp_path / "one")) == one["steps"] == 6
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=0
+    )
+    for key in ("tokens_trained", "samples_trained", "best_step"):
+        assert one[key] == two[key], key
+    al_one, al_two = one["simulated_acceptance_length"], two["simulated_acceptance_length"]
+    assert al_one["total"] == pytest.approx(al_two["total"]) and al_one["total"] >= 1
+    assert al_one["per_position"] == pytest.approx(al_two["per_position"])
+    assert_same_draft(tmp_path / "one", tmp_path / "two")
+    # no frozen tensor in the checkpoint, in bf16 nowhere: only what the optimizer trains
+    ckpt = next((tmp_path / "two" / "checkpoints").iterdir())
+    assert ckpt.name == "step-00000006" and (ckpt / ".metadata").exists()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    draft, _ = load_trained(tmp_path / "two")
+    trained = {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert {k.removeprefix("train.model.") for k in keys if k.startswith("train.model.")} == (
+        trained | {"d2t", "t2d"}
+    )
+    assert {k.split(".")[3] for k in keys if k.startswith("train.optim.state.")} <= {"fc"} | {
+        n.split(".")[0] for n in trained
+    }
+    assert not any("embed_tokens" in k for k in keys)
+    assert "step 6" in proc.stdout
+
+
+def test_a_checkpoint_resumes_across_world_sizes(data, tmp_path):
+    """1 rank -> 2 ranks -> 1 rank, each run stopped as a crash would: the same draft as an
+    uninterrupted run."""
+    run_here(data, tmp_path / "straight")
+    out = tmp_path / "moved"
+    assert run_here(data, out, stop_after=3)["end_step"] == 3  # checkpoint at step 2
+    proc = torchrun(data, out, 2, stop_after=5)  # resumes at 2, checkpoint at 4
+    assert "resuming from" in proc.stdout and "(step 2 of 6)" in proc.stdout, proc.stdout
+    proc = torchrun(data, out, 0)  # the CLI alone, one process: resumes at 4
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["world_size"] == 1 and last["parallelism"] == "single process"
+    assert last["start_step"] == 4 and last["end_step"] == 6
+    assert len(losses(out)) == 6
+    torch.testing.assert_close(losses(out), losses(tmp_path / "straight"), rtol=1e-5, atol=0)
+    assert_same_draft(tmp_path / "straight", out)
+    assert [d.name for d in (out / "checkpoints").iterdir()] == ["step-00000006"]
+
+
+def test_more_epochs_resume_the_run_and_a_changed_recipe_restarts_it(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    first = run_here(data, out, epochs=1)
+    assert (first["start_step"], first["end_step"]) == (0, 2)
+    second = run_here(data, out, epochs=2)
+    assert (second["start_step"], second["end_step"]) == (2, 4)
+    # every training sample once per epoch
+    assert second["samples_trained"] == 2 * first["samples_trained"] == 2 * first["train_samples"]
+    assert second["tokens_trained"] == 2 * first["tokens_trained"]
+    assert "resuming from" in capsys.readouterr().out
+    again = run_here(data, out, epochs=2, lr=1e-3)
+    assert again["start_step"] == 0
+    assert "train_config.lr changed" in capsys.readouterr().out
+
+
+def test_sigkill_of_one_rank_fails_the_job_by_rank_and_the_rerun_resumes(data, tmp_path):
+    out = tmp_path / "run"
+    cmd = torchrun_command(data, out, 2, epochs=40)  # 80 steps
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not any((out / "checkpoints").glob("step-*[0-9]")):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        victim = rank_pid(proc.pid, 1)
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert re.search(r"Root Cause.*rank\s*: 1 \(local_rank: 1\)", stderr, re.S), stderr[-3000:]
+    assert "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    done = sorted(d.name for d in (out / "checkpoints").iterdir() if d.name[-1].isdigit())
+    assert len(done) == 1
+    rerun = torchrun(data, out, 2, epochs=40)
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"resuming from {out / 'checkpoints' / done[0]}" in rerun.stdout
+    assert summary["start_step"] == int(done[0].split("-")[1]) > 0 and summary["end_step"] == 80
+    assert len(losses(out)) == 80
+
+
+def rank_pid(agent: int, rank: int) -> int:
+    """The pid of torchrun's worker process for `rank` (a child of the agent)."""
+    tasks = Path(f"/proc/{agent}/task").iterdir()
+    children = [pid for t in tasks for pid in (t / "children").read_text().split()]
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} among {children}")
+
+
+# ---------------------------------------------------------------- long samples
+
+
+def test_a_sample_three_times_max_tokens_is_trained_in_full(tmp_path, capsys):
+    target = write_target(tmp_path / "target")
+    lengths = [10, 192, 12, 30, 8, 40, 20, 9]  # 192 = 3 x max_tokens
+    shards = [write_shard(tmp_path / "s.safetensors", 0, seed=3, lengths=lengths)]
+    shards.append(write_shard(tmp_path / "t.safetensors", 10, seed=4))
+    vocab = build_draft_vocab(shards, V, 48)
+    table = sample_table(read_layout(shards, L).paths, excluder())
+    long = 1
+    assert long in table.train.tolist() and table.length[long] == 192
+    # the loss-masked tokens every training sample trains: all but each sample's first
+    expected = 0
+    for i in table.train.tolist():
+        from safetensors import safe_open
+
+        with safe_open(str(shards[table.shard[i]]), framework="pt") as f:
+            a = int(table.start[i])
+            expected += int(f.get_slice("loss_mask")[a + 1 : a + int(table.length[i])].sum())
+    cfg = dict(CONFIG, epochs=1, batch_packs=1)
+    summary = train(shards, target, vocab, tmp_path / "run", TrainConfig(**cfg), TINY_DRAFT)
+    assert summary["samples_cut"] == 0 and summary["samples_cut_names"] == []
+    assert summary["samples_trained"] == len(table.train)
+    assert summary["tokens_trained"] == expected
+    assert summary["longest_sample_tokens"] == 192
+    plan = PackPlan(table, 64, 1, seed=0)
+    assert (long,) in [plan.pack(0, p) for p in range(plan.num_packs(0))]  # a pack of its own
+    # a hard limit below it: not trained, counted and named, never cut
+    cfg["max_sample_tokens"] = 100
+    capsys.readouterr()
+    summary = train(shards, target, vocab, tmp_path / "limited", TrainConfig(**cfg), TINY_DRAFT)
+    assert summary["samples_cut"] == 1
+    assert summary["samples_cut_names"] == [
+        {"shard": "s.safetensors", "sample_id": "s3-1", "tokens": 192}
+    ]
+    assert "sample s3-1 of s.safetensors: 192 tokens" in capsys.readouterr().out
+    assert summary["samples_trained"] == len(table.train) - 1
+
+
+# ---------------------------------------------------------------- the data plan
+
+
+def test_plan_is_deterministic_per_seed_and_epoch_and_covers_each_sample_once(tmp_path):
+    shards = [write_shard(tmp_path / f"s{i}.safetensors", 30, seed=i) for i in range(3)]
+    table = sample_table(shards, excluder())
+    assert 0 < len(table.heldout) and len(table.train) + len(table.heldout) == 90
+    plan = PackPlan(table, 64, 4, seed=7)
+
+    def packs(p, e):
+        return [p.pack(e, i) for i in range(p.num_packs(e))]
+
+    for e in range(3):
+        epoch = packs(plan, e)
+        flat = [i for pack in epoch for i in pack]
+        assert sorted(flat) == sorted(table.train.tolist())  # each training sample once
+        assert all(sum(table.length[list(pack)]) <= 64 for pack in epoch)
+        assert packs(PackPlan(table, 64, 4, seed=7), e) == epoch  # a pure function
+    assert packs(plan, 0) != packs(plan, 1)  # reshuffled each epoch
+    assert packs(PackPlan(table, 64, 4, seed=8), 0) != packs(plan, 0)
+    assert any(len({int(table.shard[i]) for i in p}) > 1 for p in packs(plan, 0))  # across shards
+    fill = table.length[table.train].sum() / (plan.num_packs(0) * 64)
+    assert fill > 0.9, fill
+
+    # global batches are the same at any world size; a sampler resumes at any step
+    starts = plan.epoch_starts(3)
+    total = starts[-1]
+    assert total == sum(-(-plan.num_packs(e) // 4) for e in range(3))
+
+    def global_batches(world, start=0):
+        ranks = [list(RankSampler(plan, starts, start, total, r, world)) for r in range(world)]
+        m = 4 // world
+        return [
+            sorted(p for r in range(world) for p in ranks[r][s * m : (s + 1) * m] if p)
+            for s in range(total - start)
+        ]
+
+    one = global_batches(1)
+    assert global_batches(2) == one and global_batches(4) == one
+    assert global_batches(2, start=5) == one[5:]
+    with pytest.raises(ValueError, match="batch_packs = 4 .* multiple of 3"):
+        RankSampler(plan, starts, 0, total, 0, 3)

@@ -1,0 +1,234 @@
+"""How the workflow starts the draft trainer: `draft.nodes` x `draft.processes_per_node` ranks.
+
+    one rank          python -m eagleflow.draft.train ARGS                (a plain process)
+    one node, here    python -m torch.distributed.run --standalone --nnodes 1
+                          --nproc_per_node P -m eagleflow.draft.train ARGS
+    SLURM             srun --kill-on-bad-exit=1 --nodes=N --ntasks=N*P --ntasks-per-node=P
+                          --cpus-per-task=C --mem=0 [--gres=gpu:P]
+                          python -m eagleflow.draft.launch ARGS
+
+On SLURM every rank is a task of one `srun` step, without torchrun (the pattern of SLURM's MPI
+launches and of Lightning's SLURM support; torchtitan's multi-node script runs `srun torchrun`
+per node instead, which adds a second supervisor and a c10d rendezvous): `rank_env` below turns the
+task's `SLURM_PROCID`, `SLURM_NTASKS` and `SLURM_LOCALID` into torch's `RANK`, `WORLD_SIZE` and
+`LOCAL_RANK`, and the rendezvous is the `MASTER_ADDR:MASTER_PORT` the launcher picked on the
+allocation's first node, where rank 0 runs (block distribution). SLURM starts, watches and
+ends the ranks: `--kill-on-bad-exit` ends the step when one rank fails, and srun names the
+task that did. Each task sees every GPU of its node and takes `cuda:LOCAL_RANK`.
+
+The job (train_draft's resources, `eagleflow.draft.resources`) is submitted with those tasks; the
+job step that runs the script itself is the allocation's batch step (the `mpi` resource keeps
+the jobstep plugin from wrapping it in an `srun` of its own), so the ranks' `srun` is the only
+step. `preflight` refuses, in one sentence naming the key, a run that cannot start: more nodes
+than one outside SLURM, a global batch the ranks cannot share, a draft that does not fit a
+device (`eagleflow.draft.memory_plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from eagleflow.draft.resources import TrainJob, processes_per_node
+from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
+
+TRAINER = "eagleflow.draft.train"
+LAUNCHER = "eagleflow.draft.launch"  # this module: one srun task, one rank
+CONFIG_FILE = "train_config.json"  # in the trainer's work directory
+DRAFT_KEYS = ("attention", "activation_checkpointing")  # how the draft computes (DraftConfig)
+
+
+class LaunchError(ValueError):
+    """A setting that cannot be launched; its message names the key."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where and how many ranks train."""
+
+    nodes: int
+    processes_per_node: int
+    device: str  # cuda or cpu
+    srun: bool = False  # inside a SLURM allocation: one srun task per rank
+    cpus_per_rank: int = 1  # srun's --cpus-per-task, and each rank's torch threads
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @classmethod
+    def for_job(cls, draft: dict, extract: dict, srun: bool, threads: int) -> Launch:
+        """The launch of a train_draft job: under SLURM (`srun`: its resources hold `mpi`),
+        the ranks and CPUs it was submitted with (`TrainJob`); on this machine, every GPU
+        it sees when `draft.processes_per_node` is null, and its `threads` shared by them."""
+        job = TrainJob.from_config(draft, extract)
+        if srun:
+            return cls(job.nodes, job.processes_per_node, job.device, True, job.cpus_per_rank)
+        visible = None
+        if job.device == "cuda":
+            import torch
+
+            visible = torch.cuda.device_count()
+            if not visible:
+                raise LaunchError(
+                    "train_draft would train on CUDA (draft.device, where auto follows "
+                    "extract.device) but this machine has no GPU: set draft.device to cpu"
+                )
+        per_node = processes_per_node(draft, extract, visible)
+        return cls(job.nodes, per_node, job.device, False, max(1, threads // per_node))
+
+    def check(self, batch_packs: int) -> None:
+        """One sentence naming the key, for a launch that cannot work."""
+        if self.nodes > 1 and not self.srun:
+            raise LaunchError(
+                f"draft.nodes is {self.nodes}, but train_draft runs on this machine (torchrun "
+                "starts ranks on one node only): set draft.nodes to 1, or run the workflow "
+                "with --profile slurm"
+            )
+        if batch_packs % self.world_size:
+            raise LaunchError(
+                f"draft.batch_packs = {batch_packs} packs per optimizer step cannot be split "
+                f"over {self.world_size} ranks (draft.nodes x draft.processes_per_node): set "
+                f"draft.batch_packs to a multiple of {self.world_size}"
+            )
+
+
+def preflight(shards, target, vocab, cfg: TrainConfig, overrides: dict, launch: Launch, log):
+    """Before any rank starts: `Launch.check`, then the trainer's own memory check
+    (`eagleflow.draft.train.check_memory`) of the draft at the target's shape and the
+    longest pack, at this launch's world size, on this node's first device (left to the
+    ranks where the launcher sees no GPU). Reads the shards' offsets only."""
+    launch.check(cfg.batch_packs)
+    import torch
+
+    if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
+        log("no GPU visible where the ranks are launched: each rank checks its memory plan")
+        return None
+
+    from eagleflow.data.heldout import excluder
+    from eagleflow.draft.data import read_layout, sample_table, shard_paths
+    from eagleflow.draft.model import DraftConfig
+    from eagleflow.draft.train import check_memory
+    from eagleflow.target.head import read_target_config
+
+    config = read_target_config(target)
+    layout = read_layout(shard_paths(shards), int(config["num_hidden_layers"]))
+    table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
+    draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
+    device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
+    pack_tokens = max(cfg.max_tokens, table.longest_train)
+    return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)
+
+
+# ---------------------------------------------------------------- settings and command
+
+
+def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[TrainConfig, dict]:
+    """(TrainConfig, DraftConfig overrides) from the workflow's `draft` section. The trainer
+    gets `cpu`, or `auto` on CUDA (each rank then takes cuda:LOCAL_RANK)."""
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in draft.items() if k in names}
+    values |= {"heldout_modulus": heldout_modulus, "device": "auto" if device == "cuda" else "cpu"}
+    return TrainConfig(**values), {k: draft[k] for k in DRAFT_KEYS if k in draft}
+
+
+def recipe_settings(draft: dict) -> dict:
+    """The `draft` keys that decide the trained weights or the run's extent: train_draft's
+    params, so that a change to one of them (and to nothing else) runs the job again (it then
+    resumes or restarts, as `eagleflow.draft.train.training_recipe` decides)."""
+    names = {f.name for f in fields(TrainConfig)} - set(RUNTIME_KEYS) - {"heldout_modulus"}
+    return {k: draft[k] for k in sorted(names) if k in draft}
+
+
+def trainer_args(shards, target, vocab, out, cfg: TrainConfig, overrides: dict) -> list[str]:
+    """The trainer's command-line arguments (`eagleflow.draft.train.main`); the settings go
+    into `out`/train_config.json, which the log and a rerun by hand can read."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    config = Path(out) / CONFIG_FILE
+    config.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    return [
+        "--shards",
+        *map(str, shards),
+        "--target",
+        str(target),
+        "--vocab",
+        str(vocab),
+        "--out",
+        str(out),
+        "--config",
+        str(config),
+        "--draft",
+        json.dumps(overrides),
+    ]
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str]  # set for the launcher (and so for every rank)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def command(launch: Launch, args: list[str], python: str = sys.executable, port=None) -> Command:
+    """The command that starts every rank of `launch` with the trainer's `args`."""
+    env = {"OMP_NUM_THREADS": str(launch.cpus_per_rank)}
+    if launch.device == "cpu":  # idle OpenMP threads sleep: spinning ones starve a shared CPU
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if launch.world_size == 1:
+        return Command([python, "-m", TRAINER, *args], env)
+    if not launch.srun:
+        run = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
+        run += ["--nproc_per_node", str(launch.processes_per_node)]
+        return Command([*run, "-m", TRAINER, *args], env)
+    # Rank 0 runs on the allocation's first node, where this launcher runs.
+    env["MASTER_ADDR"] = "127.0.0.1" if launch.nodes == 1 else socket.gethostname()
+    env["MASTER_PORT"] = str(port or free_port())
+    srun = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        f"--nodes={launch.nodes}",
+        f"--ntasks={launch.world_size}",
+        f"--ntasks-per-node={launch.processes_per_node}",
+        f"--cpus-per-task={launch.cpus_per_rank}",
+        "--mem=0",  # the step: all of the job's memory on each node
+    ]
+    if launch.device == "cuda":  # every task sees its node's GPUs, and takes cuda:LOCAL_RANK
+        srun.append(f"--gres=gpu:{launch.processes_per_node}")
+    return Command([*srun, python, "-m", LAUNCHER, *args], env)
+
+
+def rank_env(environ) -> dict[str, str]:
+    """torch.distributed's variables of one srun task, from SLURM's."""
+    missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR") if k not in environ]
+    if missing:
+        raise LaunchError(
+            f"{', '.join(missing)} not set: python -m {LAUNCHER} runs as a task of the srun "
+            "step that eagleflow.draft.launch.command builds"
+        )
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
+    }
+
+
+def main(argv=None) -> None:
+    """One srun task: a rank of the trainer."""
+    os.environ.update(rank_env(os.environ))
+    from eagleflow.draft import train
+
+    train.main(argv)
+
+
+if __name__ == "__main__":
+    main()
