@@ -28,7 +28,7 @@ from eagleflow.draft.vocab import (
     vocab_from_counts,
 )
 from eagleflow.store.quant import FP8
-from support.draft_fixtures import TINY_DRAFT, H, L, V, write_shard, write_target
+from support.draft_fixtures import SPECULATORS_NAMES, TINY_DRAFT, H, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,27 +268,6 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
 
 # ---------------------------------------------------------------- export
 
-# What vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a one-layer llama draft
-# with a pruned vocabulary (speculators names; `model.` is prepended, q/k/v and gate/up stacked).
-VLLM_EAGLE3_NAMES = {
-    "embed_tokens.weight",
-    "fc.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-    "layers.0.input_layernorm.weight",
-    "layers.0.hidden_norm.weight",
-    "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight",
-    "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight",
-}
-
 
 def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
     target, shards = tiny
@@ -310,7 +289,7 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
     assert tl["model_type"] == "llama" and tl["num_hidden_layers"] == 1 and tl["vocab_size"] == V
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-        assert names == VLLM_EAGLE3_NAMES
+        assert names == SPECULATORS_NAMES
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
         assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16

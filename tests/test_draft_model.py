@@ -18,42 +18,24 @@ from eagleflow.draft.model import (
     doc_causal_block_mask,
     pack_mask,
 )
+from support.draft_fixtures import SPECULATORS_NAMES
 
 H, V, DV = 32, 64, 24
 STEPS = 3
-SPECULATORS_NAMES = {
-    "embed_tokens.weight",
-    "fc.weight",
-    "layers.0.input_layernorm.weight",
-    "layers.0.hidden_norm.weight",
-    "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight",
-    "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-}
+SHAPE = dict(
+    hidden_size=H,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=V,
+    draft_vocab_size=DV,
+    num_aux=3,
+)
 
 
 def draft(attention="flex", checkpointing=False, dtype=torch.float64, seed=0):
-    cfg = DraftConfig(
-        hidden_size=H,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        draft_vocab_size=DV,
-        num_aux=3,
-        attention=attention,
-        activation_checkpointing=checkpointing,
-    )
+    cfg = DraftConfig(**SHAPE, attention=attention, activation_checkpointing=checkpointing)
     torch.manual_seed(seed)
     m = Eagle3Draft(cfg)
     g = torch.Generator().manual_seed(seed + 1)
@@ -261,14 +243,7 @@ def test_frozen_embedding_is_bf16_outside_parameters_and_checkpoints_but_exporte
 
 def test_draft_config_new_fields_have_defaults_and_are_not_architecture():
     old = dict(
-        hidden_size=H,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        draft_vocab_size=DV,
-        num_aux=3,
+        **SHAPE,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         max_position_embeddings=2048,

@@ -12,6 +12,27 @@ from eagleflow.store.quant import FP8, SCALES_KEY, quantize
 H, V, L = 32, 64, 4  # tiny target: hidden, vocab, layers
 LAYER_IDS = [1, 2, 3, L]
 # DraftConfig overrides that keep the draft tiny (heads of 8 over hidden 32)
+# The names of a one-layer draft's speculators checkpoint, which vLLM 0.32's
+# Eagle3LlamaForCausalLM.load_weights accepts (`model.` prepended, q/k/v and gate/up stacked).
+SPECULATORS_NAMES = {
+    "embed_tokens.weight",
+    "fc.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
 TINY_DRAFT = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
