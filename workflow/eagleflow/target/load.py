@@ -4,7 +4,8 @@ included.
 Code shipped in the target directory (Kimi-K2.5's tiktoken tokenizer, reached through
 `auto_map`) runs only with `target.trust_remote_code: true`. The workflow checks that once,
 before any job runs (`eagleflow.target.checks.check_target_code`, called by common.smk), and
-hands the key to vLLM through `EngineSettings`; the loaders here then trust exactly the directories that need it.
+hands the key to vLLM through `EngineSettings`; the loaders here then trust exactly the
+directories that need it.
 
 A multimodal wrapper (`KimiK25ForConditionalGeneration`) stores its text model under the hub's
 names, `language_model.model.*` and `language_model.lm_head.weight`; `load_causal_lm` builds
