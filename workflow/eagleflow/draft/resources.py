@@ -14,7 +14,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.extract.resources import CPU_OVERHEAD_MB, RUNTIME_MARGIN, STARTUP_MINUTES
+from eagleflow.extract.resources import (
+    CPU_OVERHEAD_MB,
+    RUNTIME_MARGIN,
+    STARTUP_MINUTES,
+    extract_gpus,
+)
 
 CPUS_PER_GPU_RANK = 8  # as an extract job per GPU (eagleflow.extract.resources.CPUS_PER_GPU)
 # Start-up and end of a training job beyond its steps: imports, reading the target's
@@ -38,10 +43,7 @@ def device_type(draft: dict, extract: dict) -> str:
 def requested_gpus_per_node(extract: dict) -> int:
     """A node's GPUs as an extract job asks for them (`extract.gpus_per_job`, else TP x PP /
     nodes): what `draft.processes_per_node: null` asks SLURM for on CUDA."""
-    if extract.get("gpus_per_job") is not None:
-        return max(1, int(extract["gpus_per_job"]))
-    workers = int(extract["tensor_parallel_size"]) * int(extract.get("pipeline_parallel_size", 1))
-    return max(1, workers // int(extract.get("nodes", 1)))
+    return max(1, extract_gpus({**extract, "device": "cuda"}))
 
 
 def processes_per_node(draft: dict, extract: dict, visible_gpus: int | None = None) -> int:
