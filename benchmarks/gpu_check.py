@@ -16,6 +16,8 @@ what runs without it, at realistic sizes, and prints one figures table:
       autocast, compiled flex attention, AdamW, 3 TTT steps; step time, tokens/s per GPU, and
       peak GPU memory (`torch.cuda.max_memory_allocated`) against the memory plan's estimate
       for the same workload at world size 1 (`eagleflow.draft.memory_plan.plan_memory`).
+  (b') sequence splitting's attention: a slice of a pack's queries (offset BlockMask,
+      compiled flex on CUDA), forward and backward, against the dense reference.
   (c) storage (`eagleflow.store.quant.states_to_host`, `eagleflow.store.direct_io`): one
       forward's states at Kimi-K2.5's widths (4 layers x 7168, bf16) brought to the host as
       the capture worker does (into pinned memory), in bf16 and quantized to fp8 on the
@@ -47,7 +49,8 @@ import torch  # noqa: E402
 from eagleflow.capture.reference import check_shard_against_reference, reference_states  # noqa: E402
 from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.draft.memory_plan import GB, MemoryPlan, Workload, plan_memory  # noqa: E402
-from eagleflow.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagleflow.draft.model import DraftConfig, Eagle3Draft, attend, kernel_for, pack_mask  # noqa: E402
+from eagleflow.draft.sequence_parallel import slice_length  # noqa: E402
 from eagleflow.draft.train import TrainConfig, train_step  # noqa: E402
 from eagleflow.store.direct_io import ALIGN, DirectWriter  # noqa: E402
 from eagleflow.store.quant import states_to_host  # noqa: E402
@@ -354,6 +357,50 @@ def run_draft(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def run_slice_attention(args, device: torch.device) -> list[dict]:
+    """(b') sequence splitting's attention (`draft.sequence_parallel`): the second half of a
+    pack's queries through the kernel the trainer uses on this device (compiled flex on
+    CUDA, with the slice's offset BlockMask), forward and backward, against the dense
+    reference's rows of the whole pack (float32)."""
+    n = 600 if args.small else 8192
+    heads, kv_heads, d = (4, 2, 16) if args.small else (56, 8, 128)
+    g = torch.Generator().manual_seed(0)
+    lengths = [n // 4, n // 8, 1, n // 2]
+    lengths.append(n - sum(lengths))
+    doc = torch.cat([torch.full((m,), i) for i, m in enumerate(lengths)]).to(device)
+    q = torch.randn(heads, n, d, generator=g).to(device).requires_grad_()
+    k, v = (torch.randn(kv_heads, n, d, generator=g).to(device).requires_grad_() for _ in "kv")
+    kd, vd = (torch.randn(kv_heads, n, d, generator=g).to(device) for _ in "kv")  # step 1
+    half = slice_length(n, 2)
+    rows = slice(half, n)
+    ref = attend(q, [(k, v), (kd, vd)], pack_mask(doc, "dense"), 0.1)[:, rows]
+    (ref_grad,) = torch.autograd.grad(ref.sum(), [q])
+    kernel = kernel_for("flex", device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = attend(
+        q[:, rows],
+        [(k, v), (kd[:, rows], vd[:, rows])],
+        pack_mask(doc, kernel, half, n - half),
+        0.1,
+    )
+    (grad,) = torch.autograd.grad(out.sum(), [q])
+    sync(device)
+    seconds = time.perf_counter() - t0
+    err = max((out - ref).abs().max().item(), (grad - ref_grad).abs().max().item())
+    return [
+        {
+            "check": "sequence-split attention",
+            "size": f"{kernel}, {n} tokens, queries {half}..{n - 1}, {heads} heads x {d}",
+            "figure": (
+                f"max abs diff to dense {err:.2e} (fwd+bwd, fp32); "
+                f"{seconds * 1000:.0f} ms incl. compile"
+            ),
+            "peak_gib": peak_gib(device),
+        }
+    ]
+
+
 def layer_states(n_tokens: int, hidden: int, n_layers: int, device: torch.device) -> list:
     """One forward's aux states: [n_tokens, hidden] bf16 per layer, magnitudes growing with
     depth by orders as a real target's do (fp8 scales are per token and layer)."""
@@ -485,6 +532,7 @@ def main(argv=None) -> int:
     if not args.skip_reference:
         rows += run_reference(args, device)
     if not args.skip_draft:
+        rows += run_slice_attention(args, device)
         rows += run_draft(args, device)
     if not args.skip_storage:
         rows += run_storage(args, device)

@@ -75,6 +75,33 @@ def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> st
     return head + "\n\n" + "\n".join(rows)
 
 
+def split_table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> str:
+    """Long packs split over ranks (`draft.sequence_parallel`), at TTT 7 with checkpointing:
+    tokens per device, activations, loss and total GiB, and whether each device fits."""
+    cfg = draft_config_for(target_config, draft_vocab, num_aux, activation_checkpointing=True)
+    fits = " | ".join(f"fits {name}" for name in DEVICES)
+    rows = [
+        f"| pack | sequence_parallel | tokens per device | activations | loss | total | {fits} |",
+        "|---:|---:|---:|---:|---:|---:|" + "---|" * len(DEVICES),
+    ]
+    for tokens in (16384, 20000, 32768, 65536):
+        for parts in (1, 2, 4, 8):
+            if ranks % parts:
+                continue
+            workload = Workload(tokens, 7, ranks, "cuda", parts)
+            plans = [plan_memory(cfg, workload, int(gib * GB)) for gib in DEVICES.values()]
+            plan = plans[0]
+            cells = [plan.activations, plan.loss, plan.total]
+            rows.append(
+                f"| {tokens:,} | {parts} | {workload.device_tokens:,} | "
+                + " | ".join(f"{c / GB:.1f}" for c in cells)
+                + " | "
+                + " | ".join("yes" if p.fits else "**no**" for p in plans)
+                + " |"
+            )
+    return "\n".join(rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target-config", help="a target's config.json (default: Kimi-K2.5's)")
@@ -84,6 +111,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     config = json.loads(Path(args.target_config).read_text()) if args.target_config else KIMI_K25
     print(table(config, args.ranks, args.draft_vocab, args.num_aux))
+    print("\nSequence splitting, TTT 7, activation checkpointing on:\n")
+    print(split_table(config, args.ranks, args.draft_vocab, args.num_aux))
 
 
 if __name__ == "__main__":

@@ -255,3 +255,54 @@ def test_draft_config_new_fields_have_defaults_and_are_not_architecture():
     assert DraftConfig(**old, attention="eager").architecture() == old
     with pytest.raises(ValueError, match="attention 'sdpa'"):
         DraftConfig(**old, attention="sdpa")
+
+
+# ---------------------------------------------------------------- one slice of the pack
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kernel", ["dense", "blockwise", "flex"])
+def test_a_slice_of_the_queries_equals_those_rows_of_the_whole_pack(kernel, monkeypatch):
+    """Sequence splitting's attention: queries [offset, offset + n) against the pack's
+    step-0 keys and their own diagonal keys give the whole pack's rows there, and the
+    same gradients (the CPU device check lifted so flex runs its eager backward)."""
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    doc = pack(LENGTHS)[3]
+    n_all = doc.numel()  # 600: slices of 256 (the last one short)
+    q, keys = _qkv(n_all)
+    ref_out, ref_grads = _attend_grads(q, keys, pack_mask(doc, "dense"))
+    for offset in (0, 256, 512):
+        n = min(256, n_all - offset)
+        rows = slice(offset, offset + n)
+        keys_s = [keys[0]] + [(k[:, rows], v[:, rows]) for k, v in keys[1:]]
+        with torch.no_grad():
+            out = attend(q[:, rows], keys_s, pack_mask(doc, kernel, offset, n), 0.25)
+        torch.testing.assert_close(out, ref_out[:, rows], rtol=1e-10, atol=1e-12)
+    # gradients: the slices' backward passes add up to the whole pack's
+    w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(9), dtype=ref_out.dtype)
+    leaves = [q, *(t for kv in keys for t in kv)]
+    total = [torch.zeros_like(t) for t in leaves]
+    for offset in (0, 256, 512):
+        n = min(256, n_all - offset)
+        rows = slice(offset, offset + n)
+        keys_s = [keys[0]] + [(k[:, rows], v[:, rows]) for k, v in keys[1:]]
+        out = attend(q[:, rows], keys_s, pack_mask(doc, kernel, offset, n), 0.25)
+        grads = torch.autograd.grad((out * w[:, rows]).sum(), leaves, allow_unused=True)
+        total = [t + (g if g is not None else 0) for t, g in zip(total, grads)]
+    for a, b in zip(total, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_block_mask_of_a_slice_equals_create_block_mask_with_offset_queries():
+    doc = torch.cat([torch.full((n_i,), i) for i, n_i in enumerate([300, 40, 1, 109, 262])])
+    n, offset, queries = doc.numel(), 256, 384
+    ours = pack_mask(doc, "flex", offset, queries).block_mask
+
+    def mask_mod(b, h, q, kv):
+        return (doc[q + offset] == doc[kv]) & (kv <= q + offset)
+
+    ref = fa.create_block_mask(mask_mod, None, None, queries, n, device="cpu", BLOCK_SIZE=BLOCK)
+    assert ours.shape == ref.shape == (1, 1, queries, n)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.to_dense(), ref.to_dense())

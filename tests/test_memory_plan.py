@@ -123,13 +123,30 @@ def test_impossible_plans_are_refused_in_one_sentence_naming_the_key():
 
 
 def test_advised_max_tokens_fits_and_the_next_step_does_not():
+    """One rank: no pack can be split, so the advice is a smaller pack."""
     cfg = kimi(activation_checkpointing=True)
-    plan = plan_memory(cfg, Workload(16384, 7, 8), int(79.1 * GB))
+    plan = plan_memory(cfg, Workload(16384, 7, 1), int(79.1 * GB))
     with pytest.raises(MemoryPlanError, match=r"lower draft.max_tokens to (\d+)") as err:
         check_plan(cfg, plan)
     tokens = int(re.search(r"max_tokens to (\d+)", str(err.value)).group(1))
-    assert plan_memory(cfg, Workload(tokens, 7, 8), plan.device_bytes).fits
-    assert not plan_memory(cfg, Workload(tokens + 256, 7, 8), plan.device_bytes).fits
+    assert plan_memory(cfg, Workload(tokens, 7, 1), plan.device_bytes).fits
+    assert not plan_memory(cfg, Workload(tokens + 256, 7, 1), plan.device_bytes).fits
+
+
+def test_a_pack_too_large_for_one_device_is_split_over_the_fewest_ranks_that_fit():
+    """Kimi-K2.5's draft, 16k x TTT 7 on 8 x H100: two ranks per pack, each 8,192 anchors
+    plus the pack's gathered keys."""
+    cfg = kimi(activation_checkpointing=True)
+    h100 = int(79.1 * GB)
+    with pytest.raises(MemoryPlanError, match=r"set draft.sequence_parallel: 2 \(") as err:
+        check_plan(cfg, plan_memory(cfg, Workload(16384, 7, 8), h100))
+    assert "max_tokens 16384" in str(err.value)
+    split = plan_memory(cfg, Workload(16384, 7, 8, "cuda", 2), h100)
+    assert split.fits and split.workload.device_tokens == 8192
+    half = plan_memory(cfg, Workload(8192, 7, 8), h100)
+    gathered = 2 * 16384 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 k and v
+    assert split.activations == half.activations + gathered
+    assert "8192 per device over 2 ranks" in split.describe()
 
 
 def test_device_memory_from_the_key_or_none_on_cpu():

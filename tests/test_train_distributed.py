@@ -23,6 +23,8 @@ from eagleflow.data.heldout import excluder
 from eagleflow.draft.data import PackPlan, RankSampler, read_layout, sample_table
 from eagleflow.draft.train import TrainConfig, load_trained, train
 from eagleflow.draft.vocab import build_draft_vocab, save_vocab
+from eagleflow.store.quant import FP8
+from support import split_pack
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +135,65 @@ def test_two_ranks_take_the_steps_of_one_rank_with_the_same_global_batch(data, t
     }
     assert not any("embed_tokens" in k for k in keys)
     assert "step 6" in proc.stdout
+
+
+@pytest.mark.parametrize("attention,checkpointing", [("flex", "0"), ("flex", "1"), ("eager", "0")])
+def test_a_pack_split_over_two_ranks_gives_the_whole_packs_loss_and_gradients(
+    tmp_path, attention, checkpointing
+):
+    """Sequence splitting (gloo): each rank trains half of a 600-token pack (slices of 256
+    anchors, the last padded), gathering the step-0 keys; the slices' losses, logits and
+    gradients add up to the whole pack's in one process (float64; with activation
+    checkpointing the gather runs again in backward)."""
+    out = tmp_path / "split.pt"
+    script = REPO / "tests" / "support" / "split_pack.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    cmd += ["2", str(script), str(out), attention, checkpointing]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    split = torch.load(out)
+    loss, logits, grads = split_pack.pack_loss(attention, checkpointing == "1")
+    torch.testing.assert_close(split["loss"], loss, rtol=1e-10, atol=0)
+    for a, b in zip(split["logits"], logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert split["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(split["grads"][name], grad, rtol=1e-8, atol=1e-11, msg=name)
+
+
+def test_two_ranks_sharing_each_pack_take_the_steps_of_one_rank(tmp_path):
+    """draft.sequence_parallel: 2 on 2 ranks: every pack split in two slices of 256 anchors
+    (each rank reads only its slice's rows and scales of fp8 shards); the same packs, losses and
+    draft as one rank training each pack whole."""
+    target = write_target(tmp_path / "target")
+    lengths = [150, 40, 90, 210, 12, 60, 33, 100, 9, 70, 130, 25]
+    shards = [
+        write_shard(tmp_path / "s.safetensors", 0, 3, lengths=lengths, storage_dtype=FP8),
+        write_shard(tmp_path / "t.safetensors", 0, 4, lengths=lengths[::-1], storage_dtype=FP8),
+    ]
+    vocab = build_draft_vocab(shards, V, 48)
+    save_vocab(vocab, tmp_path / "vocab.safetensors")
+    data = (target, shards, vocab)
+    changes = dict(max_tokens=320, epochs=2)
+    one = run_here(data, tmp_path / "one", **changes)
+    torchrun(data, tmp_path / "split", 2, sequence_parallel=2, **changes)
+    split = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert split["world_size"] == 2 and split["sequence_parallel"] == 2
+    assert split["micro_steps_per_rank"] == one["micro_steps_per_rank"] == 2
+    assert split["parallelism"] == "fsdp (gloo), sequence parallel over 2 ranks"
+    torch.testing.assert_close(
+        losses(tmp_path / "split"), losses(tmp_path / "one"), rtol=1e-5, atol=0
+    )
+    for key in ("tokens_trained", "samples_trained", "best_step", "steps"):
+        assert one[key] == split[key], key
+    al_one, al_split = one["simulated_acceptance_length"], split["simulated_acceptance_length"]
+    assert al_one["per_position"] == pytest.approx(al_split["per_position"])
+    assert_same_draft(tmp_path / "one", tmp_path / "split")
+
+
+def test_sequence_parallel_must_divide_the_ranks(data, tmp_path):
+    with pytest.raises(ValueError, match=r"draft.sequence_parallel = 2 .* the 1 ranks"):
+        run_here(data, tmp_path / "out", sequence_parallel=2)
 
 
 def test_a_checkpoint_resumes_across_world_sizes(data, tmp_path):

@@ -125,6 +125,12 @@ def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
     with pytest.raises(launch.LaunchError, match=r"draft\.batch_packs = 8 .* multiple of 3"):
         launch.Launch(1, 3, "cpu").check(8)
     launch.Launch(2, 4, "cuda", srun=True).check(8)
+    # sequence splitting: groups of ranks share a pack, so the packs go over the groups
+    with pytest.raises(launch.LaunchError, match=r"draft\.sequence_parallel = 3 .* the 8 ranks"):
+        launch.Launch(1, 8, "cuda").check(8, 3)
+    with pytest.raises(launch.LaunchError, match=r"batch_packs = 2 .* over 4 groups .* of 4"):
+        launch.Launch(1, 8, "cuda").check(2, 2)
+    launch.Launch(1, 8, "cuda").check(2, 4)
     import torch
 
     if not torch.cuda.is_available():  # CUDA asked for on a machine without a GPU

@@ -176,6 +176,7 @@ def train_memory_plan():
         DRAFT_SETTINGS["ttt_steps"],
         TRAIN_JOB.ranks,
         TRAIN_JOB.device,
+        DRAFT_SETTINGS["sequence_parallel"],
     )
     return plan_memory(draft, workload)
 

@@ -17,7 +17,10 @@ sequences of about `max_tokens`, read by `DataLoader` workers.
 - `PackDataset`: item = one pack, read with `safe_open(...).get_slice(...)` on the
   memory-mapped shards (only the pack's rows). States stay as stored: bf16, or fp8 codes
   plus their scales, which cross to the device as they are and are dequantized there
-  (`Batch.values`).
+  (`Batch.values`). Under sequence splitting (`eagleflow.draft.sequence_parallel`) the
+  dataset of slice `part` of `parts` reads only its slice's states (and the `ttt_steps`
+  rows after it, whose final states are its targets); the samplers then count the ranks
+  of one pack as one.
 
 Alignment (the same as speculators' `shift_batch`): the draft's anchor t reads the aux
 states of position t and token t+1, and is trained at TTT step k against the target's
@@ -34,9 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from eagleflow.draft.sequence_parallel import slice_length
 from eagleflow.store.quant import SCALES_KEY, dequantize
 from eagleflow.target.layers import CONVENTION
 
@@ -71,8 +76,18 @@ def read_layout(paths, num_hidden_layers: int) -> ShardLayout:
     paths = [str(p) for p in paths]
     if not paths:
         raise ValueError("no shards given")
-    layer_ids = None
+    layer_ids, storage = None, None
     for path in paths:
+        with safe_open(path, framework="pt") as f:
+            dtype = f.get_slice("hidden_states").get_dtype()
+        if storage is None:
+            storage = dtype
+        elif dtype != storage:  # a pack may take samples of any two shards
+            raise ValueError(
+                f"{path}: hidden_states stored as {dtype}, {paths[0]}'s as {storage}: one run "
+                "trains on shards of one storage dtype (extract them again with one "
+                "capture.storage_dtype)"
+            )
         meta = shard_metadata(path)
         convention = meta.get("layer_id_convention", "").strip('"')
         if convention != CONVENTION:
@@ -277,14 +292,20 @@ class HeldoutSampler(Sampler):
 
 @dataclass
 class Batch:
-    states: torch.Tensor  # [N, n_aux + 1, H] as stored: aux states, then the final state
-    scales: torch.Tensor  # [N, n_aux + 1] float32 fp8 scales; [0] when not quantized
-    tokens: torch.Tensor  # [steps, N] token read at step k (t+1+k), 0 where none
-    target_index: torch.Tensor  # [steps, N] row of the final state the step-k target is from
-    valid: torch.Tensor  # [steps, N] bool: step k at anchor t is trained on
-    positions: torch.Tensor  # [N] position of token t+1 within its sample
-    doc: torch.Tensor  # [N] sample index within the pack
-    samples: int = 0  # samples in the pack (0: a padding pack)
+    """One pack, or one slice of n of its N anchors (n = N without sequence splitting).
+
+    The rows of `states` are the slice's anchors, then up to `ttt_steps` rows after them
+    (only their final states are read: the last anchors' targets)."""
+
+    states: torch.Tensor  # [rows, n_aux + 1, H] as stored: aux states, then the final state
+    scales: torch.Tensor  # [rows, n_aux + 1] float32 fp8 scales; [0] when not quantized
+    tokens: torch.Tensor  # [steps, n] token read at step k (t+1+k), 0 where none
+    target_index: torch.Tensor  # [steps, n] row of the final state the step-k target is from
+    valid: torch.Tensor  # [steps, n] bool: step k at anchor t is trained on
+    positions: torch.Tensor  # [n] position of token t+1 within its sample
+    doc: torch.Tensor  # [N] sample index of every anchor of the pack
+    step_tokens: torch.Tensor  # [steps] anchors trained on at step k in the whole pack
+    samples: int = 0  # samples in the pack, counted by its first slice (0: padding, or not)
 
     def _map(self, fn) -> Batch:
         tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "samples"}
@@ -297,13 +318,13 @@ class Batch:
         return self._map(lambda t: t.pin_memory())
 
     def values(self, dtype=torch.float32):
-        """(aux [N, n_aux*H], final [N, H]) in `dtype`, dequantized where the batch is (on
-        the device after `to`)."""
+        """(aux [n, n_aux*H], final [rows, H]) in `dtype`, dequantized where the batch is
+        (on the device after `to`)."""
         if self.scales.numel():
             x = dequantize(self.states, self.scales, dtype)
         else:
             x = self.states.to(dtype)
-        return x[:, :-1].flatten(1), x[:, -1]
+        return x[: self.tokens.shape[1], :-1].flatten(1), x[:, -1]
 
     @property
     def trained_tokens(self) -> int:
@@ -311,44 +332,69 @@ class Batch:
         return int(self.valid[0].sum())
 
 
-def build_batch(ids, mask, hidden, starts, layout: ShardLayout, steps: int, scales=None) -> Batch:
-    """ids/mask [N], hidden [N, n_layers, H] as stored (fp8: with `scales` [N, n_layers]),
-    starts: row where each sample begins."""
+def slice_rows(n: int, steps: int, part: int, parts: int) -> tuple[int, int, int]:
+    """(first anchor, end of anchors, end of stored rows read) of slice `part` of an n-token
+    pack, in the pack padded to `parts` equal slices (rows past n are padding)."""
+    c = slice_length(n, parts)
+    a, b = part * c, (part + 1) * c
+    return a, b, max(a, min(b + steps, n))
+
+
+def build_batch(
+    ids, mask, hidden, starts, layout: ShardLayout, steps: int, scales=None, part=0, parts=1
+) -> Batch:
+    """ids/mask [N] of the whole pack; starts: row where each sample begins; hidden
+    [rows, n_layers, H] as stored (fp8: with `scales` [rows, n_layers]): the pack's rows
+    [a, e) of `slice_rows` (all N rows in one part)."""
     order = layout.aux_index + [layout.final_index]
     n = ids.shape[0]
-    doc = torch.zeros(n, dtype=torch.long)
-    for s in starts[1:]:
+    a, b, e = slice_rows(n, steps, part, parts)
+    total = parts * slice_length(n, parts)  # the padded pack: padding anchors are a sample
+    doc = torch.zeros(total, dtype=torch.long)
+    for s in [*starts[1:], n]:
         doc[s:] += 1
-    begin = torch.tensor(starts, dtype=torch.long)[doc]
-    positions = torch.arange(n) - begin + 1
-    t = torch.arange(n)
+    begin = torch.tensor([*starts, n], dtype=torch.long)[doc]
+    positions = torch.arange(total) - begin + 1
+    ids = F.pad(ids, (0, total - n))
+    mask = F.pad(mask, (0, total - n))
+    t = torch.arange(total)
     tokens, target_index, valid = [], [], []
     for k in range(steps):
         j = t + 1 + k
         inside = j < n
-        jc = j.clamp(max=n - 1)
+        jc = j.clamp(max=total - 1)
         same = inside & (doc[jc] == doc)
         tokens.append(torch.where(same, ids[jc], torch.zeros_like(ids)))
         target_index.append(jc)
         valid.append(same & mask[jc])
+    valid = torch.stack(valid)
+    rows = max(b, e) - a  # anchors, then the rows only read for targets
+    states = hidden[:, order]
+    if states.shape[0] < rows:  # padding anchors: zero states
+        states = torch.cat([states, states.new_zeros((rows - len(states), *states.shape[1:]))])
+    if scales is not None:
+        scales = F.pad(scales[:, order].float(), (0, 0, 0, rows - scales.shape[0]))
     return Batch(
-        hidden[:, order],
-        scales[:, order].float() if scales is not None else torch.zeros(0),
-        torch.stack(tokens),
-        torch.stack(target_index),
-        torch.stack(valid),
-        positions,
+        states,
+        scales if scales is not None else torch.zeros(0),
+        torch.stack(tokens)[:, a:b],
+        (torch.stack(target_index)[:, a:b] - a).clamp(0, rows - 1),
+        valid[:, a:b],
+        positions[a:b],
         doc,
-        samples=len(starts),
+        valid.sum(1),
+        samples=len(starts) if part == 0 else 0,
     )
 
 
 class PackDataset(Dataset):
-    """Item = a pack (a tuple of sample indices of `table`) -> `Batch`; () is a padding pack:
-    one row, nothing trained, so every rank runs the same forwards."""
+    """Item = a pack (a tuple of sample indices of `table`) -> `Batch` of slice `part` of
+    `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
+    every rank runs the same forwards."""
 
-    def __init__(self, layout: ShardLayout, table: SampleTable, steps: int):
+    def __init__(self, layout: ShardLayout, table: SampleTable, steps: int, part=0, parts=1):
         self.layout, self.table, self.steps = layout, table, steps
+        self.part, self.parts = part, parts
         self._files: dict[int, object] = {}  # open handles of this process (each worker's own)
 
     def _file(self, s: int):
@@ -356,14 +402,17 @@ class PackDataset(Dataset):
             self._files[s] = safe_open(self.layout.paths[s], framework="pt")
         return self._files[s]
 
-    def read(self, i: int):
-        """Sample i as stored: (input_ids, loss_mask, hidden_states, fp8 scales or None)."""
+    def read(self, i: int, lo: int = 0, hi: int | None = None):
+        """Sample i as stored: (input_ids, loss_mask, hidden_states, fp8 scales or None); the
+        states (and scales) of its rows [lo, hi) only (all by default)."""
         s = int(self.table.shard[i])
         f = self._file(s)
         a = int(self.table.start[i])
-        rows = slice(a, a + int(self.table.length[i]))
+        n = int(self.table.length[i])
+        hi = n if hi is None else hi
         hs = f.get_slice("hidden_states")
         scales = None
+        rows = slice(a + lo, a + max(lo, hi))
         if hs.get_dtype() == FP8_DTYPE:
             if SCALES_KEY not in f.keys():
                 raise ValueError(
@@ -372,13 +421,19 @@ class PackDataset(Dataset):
                     "again)"
                 )
             scales = f.get_slice(SCALES_KEY)[rows]
-        return f.get_slice("input_ids")[rows], f.get_slice("loss_mask")[rows], hs[rows], scales
+        ids = f.get_slice("input_ids")[a : a + n]
+        return ids, f.get_slice("loss_mask")[a : a + n], hs[rows], scales
 
     def __getitem__(self, pack: tuple[int, ...]) -> Batch:
         if not pack:
             return self.padding()
-        parts = [self.read(i) for i in pack]
-        starts = np.concatenate([[0], np.cumsum([len(p[0]) for p in parts])[:-1]]).tolist()
+        lengths = [int(self.table.length[i]) for i in pack]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        a, _, e = slice_rows(sum(lengths), self.steps, self.part, self.parts)
+        # each sample's rows within the slice's [a, e)
+        parts = [
+            self.read(i, max(a - s, 0), min(e - s, n)) for i, s, n in zip(pack, starts, lengths)
+        ]
         return build_batch(
             torch.cat([p[0] for p in parts]).long(),
             torch.cat([p[1] for p in parts]).bool(),
@@ -387,19 +442,24 @@ class PackDataset(Dataset):
             self.layout,
             self.steps,
             torch.cat([p[3] for p in parts]) if parts[0][3] is not None else None,
+            self.part,
+            self.parts,
         )
 
     def padding(self) -> Batch:
         i = int(self.table.train[0] if len(self.table.train) else self.table.heldout[0])
-        ids, mask, hidden, scales = self.read(i)
+        ids, mask, hidden, scales = self.read(i, 0, 1)
+        a, _, e = slice_rows(1, self.steps, self.part, self.parts)
         batch = build_batch(
             ids[:1].long(),
             mask[:1].bool(),
-            hidden[:1],
+            hidden[a:e],
             [0],
             self.layout,
             self.steps,
-            scales[:1] if scales is not None else None,
+            scales[a:e] if scales is not None else None,
+            self.part,
+            self.parts,
         )
         batch.samples = 0
         return batch

@@ -81,7 +81,7 @@ class Launch:
         per_node = processes_per_node(draft, extract, visible)
         return cls(job.nodes, per_node, job.device, False, max(1, threads // per_node))
 
-    def check(self, batch_packs: int) -> None:
+    def check(self, batch_packs: int, sequence_parallel: int = 1) -> None:
         """One sentence naming the key, for a launch that cannot work."""
         if self.nodes > 1 and not self.srun:
             raise LaunchError(
@@ -89,11 +89,19 @@ class Launch:
                 "starts ranks on one node only): set draft.nodes to 1, or run the workflow "
                 "with --profile slurm"
             )
-        if batch_packs % self.world_size:
+        if self.world_size % sequence_parallel:
+            raise LaunchError(
+                f"draft.sequence_parallel = {sequence_parallel} ranks per pack does not divide "
+                f"the {self.world_size} ranks (draft.nodes x draft.processes_per_node): make "
+                "it a divisor"
+            )
+        groups = self.world_size // sequence_parallel  # ranks that train different packs
+        if batch_packs % groups:
             raise LaunchError(
                 f"draft.batch_packs = {batch_packs} packs per optimizer step cannot be split "
-                f"over {self.world_size} ranks (draft.nodes x draft.processes_per_node): set "
-                f"draft.batch_packs to a multiple of {self.world_size}"
+                f"over {groups} groups of draft.sequence_parallel = {sequence_parallel} ranks "
+                f"({self.world_size} = draft.nodes x draft.processes_per_node): set "
+                f"draft.batch_packs to a multiple of {groups}"
             )
 
 
@@ -102,7 +110,7 @@ def preflight(shards, target, vocab, cfg: TrainConfig, overrides: dict, launch: 
     (`eagleflow.draft.train.check_memory`) of the draft at the target's shape and the
     longest pack, at this launch's world size, on this node's first device (left to the
     ranks where the launcher sees no GPU). Reads the shards' offsets only."""
-    launch.check(cfg.batch_packs)
+    launch.check(cfg.batch_packs, cfg.sequence_parallel)
     import torch
 
     if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:

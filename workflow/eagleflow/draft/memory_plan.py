@@ -2,7 +2,9 @@
 
 The draft is built on the meta device at the target's real shape, so its parameter and buffer
 counts are the model's own. The rest are byte counts of what training holds per device, with
-P trainable parameters, W ranks (FSDP2 over all of them), N tokens per pack (`max_tokens`),
+P trainable parameters, W ranks (FSDP2 over all of them), N tokens per pack (`max_tokens`)
+and per device (under sequence splitting over R ranks, `draft.sequence_parallel`: N / R,
+rounded up to a block, plus the pack's step-0 keys and values, 2 N_pack kv a),
 S TTT steps, a bytes per activation (bf16 autocast on CUDA: 2; fp32 on CPU: 4) and f = 4:
 
     params       4P / W     fp32 master weights, sharded
@@ -56,6 +58,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from eagleflow.draft.model import BLOCK, DraftConfig, Eagle3Draft, kernel_for
+from eagleflow.draft.sequence_parallel import slice_length
 
 GB = 2**30  # GiB, as torch.cuda and nvidia-smi count a device's memory
 HEADROOM = 0.10  # share of the device kept free for what is not modelled
@@ -76,6 +79,12 @@ class Workload:
     ttt_steps: int  # S
     world_size: int = 1  # ranks sharing the FSDP state (nodes x processes_per_node)
     device_type: str = "cuda"  # cuda: bf16 autocast, flex_attention; cpu: fp32, blockwise
+    sequence_parallel: int = 1  # ranks sharing one pack, each a slice of its tokens
+
+    @property
+    def device_tokens(self) -> int:
+        """Anchors one device computes: the pack, or its slice."""
+        return slice_length(self.max_tokens, self.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -112,10 +121,13 @@ class MemoryPlan:
         w = self.workload
         parts = ", ".join(f"{p} {getattr(self, p) / GB:.1f}" for p in PARTS)
         limit = "" if self.device_bytes is None else f" of {self.device_bytes / GB:.1f}"
+        split = ""
+        if w.sequence_parallel > 1:
+            split = f" ({w.device_tokens} per device over {w.sequence_parallel} ranks)"
         return (
             f"draft memory plan: {self.total / GB:.1f}{limit} GiB per device "
             f"({parts}) for {self.trainable_params / 1e6:.0f}M trainable parameters, "
-            f"{w.max_tokens} tokens, {w.ttt_steps} TTT steps, {w.world_size} ranks, "
+            f"{w.max_tokens} tokens{split}, {w.ttt_steps} TTT steps, {w.world_size} ranks, "
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
         )
 
@@ -157,7 +169,9 @@ def plan_memory(cfg: DraftConfig, workload: Workload, device_bytes: int | None =
     p = sum(t.numel() for t in model.parameters() if t.requires_grad)
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     a = COMPUTE_BYTES[workload.device_type]
-    n, s, w = workload.max_tokens, workload.ttt_steps, workload.world_size
+    n, s, w = workload.device_tokens, workload.ttt_steps, workload.world_size
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    gathered = 2 * workload.max_tokens * kv * a if workload.sequence_parallel > 1 else 0
     full, ckpt, workspace = step_bytes(cfg, workload)
     backward = max(full, workspace)  # one step's gradients, or the kernel's workspace
     if cfg.activation_checkpointing:  # and the step being recomputed
@@ -176,7 +190,7 @@ def plan_memory(cfg: DraftConfig, workload: Workload, device_bytes: int | None =
         working=(a * p if a != F32 else 0) + (8 * p if w > 1 else 0),
         frozen=buffers + head,
         inputs=n * (cfg.num_aux + 1) * cfg.hidden_size * a,
-        activations=n * per_token,
+        activations=n * per_token + gathered,
         loss=n * cfg.draft_vocab_size * (8 * s + 8),
         device_bytes=device_bytes,
     )
@@ -191,6 +205,9 @@ def _advice(cfg: DraftConfig, plan: MemoryPlan) -> str:
 
     if not cfg.activation_checkpointing and fits(replace(cfg, activation_checkpointing=True)):
         return "set draft.activation_checkpointing: true"
+    for parts in range(w.sequence_parallel + 1, w.world_size + 1):
+        if w.world_size % parts == 0 and fits(sequence_parallel=parts):
+            return f"set draft.sequence_parallel: {parts} (ranks that share a pack)"
     for ranks in (2 * w.world_size, 4 * w.world_size, 8 * w.world_size):
         if fits(world_size=ranks):
             return f"train on {ranks} ranks (draft.nodes x draft.processes_per_node)"

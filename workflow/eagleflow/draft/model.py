@@ -156,12 +156,15 @@ class PackMask:
     """The document-causal mask of one packed sequence, built once for all TTT steps.
 
     A sample is a run of equal consecutive `doc` values. Query t sees key s of step 0 iff
-    start[t] <= s <= t (same sample, causal). Exactly one of `block_mask` (kernel "flex"),
-    `dense` ([N, N] bool, kernel "dense") is set, or neither (kernel "blockwise")."""
+    start[t] <= s <= t (same sample, causal). The queries are the pack's anchors
+    [offset, offset + queries) (all of them, or one rank's slice: `draft.sequence_parallel`),
+    the keys all N. Exactly one of `block_mask` (kernel "flex"), `dense` ([queries, N] bool,
+    kernel "dense") is set, or neither (kernel "blockwise")."""
 
     kernel: str
     start: torch.Tensor  # [N] index of the first token of each token's sample
     segment: torch.Tensor  # [N] run index of each token's sample
+    offset: int = 0  # the first query's index in the pack (a multiple of BLOCK when > 0)
     block_mask: BlockMask | None = None
     dense: torch.Tensor | None = None
 
@@ -174,24 +177,34 @@ def _samples(doc: torch.Tensor):
     return segment, torch.nonzero(change).flatten()[segment]
 
 
-def _doc_causal(segment: torch.Tensor):
+def _doc_causal(segment: torch.Tensor, offset: int):
     def mask_mod(b, h, q, kv):
-        return (segment[q] == segment[kv]) & (kv <= q)
+        return (segment[q + offset] == segment[kv]) & (kv <= q + offset)
 
     return mask_mod
 
 
-def doc_causal_block_mask(segment: torch.Tensor, start: torch.Tensor, block: int = BLOCK):
+def doc_causal_block_mask(
+    segment: torch.Tensor,
+    start: torch.Tensor,
+    block: int = BLOCK,
+    offset: int = 0,
+    queries: int | None = None,
+):
     """The flex `BlockMask` of a pack, from its sample runs: per query block, the key blocks
     from its first query's sample start to the diagonal; a block is full (no mask_mod call)
     when it lies before the diagonal, inside one sample, and the query block is complete.
-    Small [N/block]^2 tensors only (`create_block_mask` would evaluate an [N, N] grid)."""
+    Small [N/block]^2 tensors only (`create_block_mask` would evaluate an [N, N] grid).
+    Queries [offset, offset + queries) of the N keys (offset: whole blocks)."""
     n = segment.numel()
+    queries = n - offset if queries is None else queries
     nb = -(-n // block)
-    qb = torch.arange(nb, device=segment.device)
-    q_end = torch.clamp((qb + 1) * block, max=n)
+    qb = torch.arange(
+        offset // block, offset // block + -(-queries // block), device=segment.device
+    )
+    q_end = torch.clamp((qb + 1) * block, max=offset + queries)
     first = start[qb * block] // block
-    kb = qb[None, :]
+    kb = torch.arange(nb, device=segment.device)[None, :]
     needed = (kb >= first[:, None]) & (kb <= qb[:, None])
     full = (
         needed
@@ -210,20 +223,23 @@ def doc_causal_block_mask(segment: torch.Tensor, start: torch.Tensor, block: int
         *blocks(partial),
         *blocks(full),
         BLOCK_SIZE=block,
-        mask_mod=_doc_causal(segment),
-        seq_lengths=(n, n),
+        mask_mod=_doc_causal(segment, offset),
+        seq_lengths=(queries, n),
     )
 
 
-def pack_mask(doc: torch.Tensor, kernel: str) -> PackMask:
-    """kernel: "flex", "blockwise" or "dense" (see `kernel_for`)."""
+def pack_mask(doc: torch.Tensor, kernel: str, offset: int = 0, queries: int | None = None):
+    """kernel: "flex", "blockwise" or "dense" (see `kernel_for`); queries [offset, offset +
+    queries) of the pack (all by default)."""
     segment, start = _samples(doc)
-    mask = PackMask(kernel, start, segment)
+    queries = doc.numel() - offset if queries is None else queries
+    mask = PackMask(kernel, start, segment, offset)
     if kernel == "flex":
-        mask.block_mask = doc_causal_block_mask(segment, start)
+        mask.block_mask = doc_causal_block_mask(segment, start, BLOCK, offset, queries)
     elif kernel == "dense":
-        idx = torch.arange(doc.numel(), device=doc.device)
-        mask.dense = (idx[None, :] <= idx[:, None]) & (segment[None, :] == segment[:, None])
+        q = torch.arange(offset, offset + queries, device=doc.device)[:, None]
+        k = torch.arange(doc.numel(), device=doc.device)[None, :]
+        mask.dense = (k <= q) & (segment[None, :] == segment[q])
     return mask
 
 
@@ -262,17 +278,19 @@ def _flex_prefix(q, k, v, mask: PackMask, scale: float):
     return out[0], _f32(aux.lse[0])
 
 
-def _prefix_block(q, k, v, segment, s: int, e: int, ks: int, scale: float):
-    """Queries s..e-1 against keys ks..e-1 (ks: the first query's sample start)."""
+def _prefix_block(q, k, v, segment, s: int, e: int, ks: int, offset: int, scale: float):
+    """Local queries s..e-1 (pack anchors offset+s..offset+e-1) against keys ks..offset+e-1
+    (ks: the first query's sample start)."""
     kvh, d = k.shape[0], q.shape[-1]
+    ke = offset + e
     qb = q[:, s:e].reshape(kvh, -1, e - s, d)  # (kv_heads, rep, b, d)
-    scores = _f32(qb @ k[:, None, ks:e].transpose(-1, -2)) * scale  # (kv, rep, b, L)
-    qi = torch.arange(s, e, device=q.device)[:, None]
-    ki = torch.arange(ks, e, device=q.device)[None, :]
-    visible = (ki <= qi) & (segment[ks:e][None, :] == segment[s:e][:, None])
+    scores = _f32(qb @ k[:, None, ks:ke].transpose(-1, -2)) * scale  # (kv, rep, b, L)
+    qi = torch.arange(offset + s, ke, device=q.device)[:, None]
+    ki = torch.arange(ks, ke, device=q.device)[None, :]
+    visible = (ki <= qi) & (segment[ks:ke][None, :] == segment[offset + s : ke][:, None])
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v[:, None, ks:e]
+    out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v[:, None, ks:ke]
     return out.reshape(q.shape[0], e - s, d), lse.reshape(q.shape[0], e - s)
 
 
@@ -280,11 +298,11 @@ def _blockwise_prefix(q, k, v, mask: PackMask, scale: float):
     """The flex prefix in plain torch: per query block only its sample's keys; each block is
     checkpointed, so backward keeps its output and log-sum-exp, never its scores."""
     n = q.shape[1]
-    starts = mask.start[::BLOCK].tolist()
+    starts = mask.start[mask.offset : mask.offset + n : BLOCK].tolist()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     outs, lses = [], []
     for i, s in enumerate(range(0, n, BLOCK)):
-        args = (q, k, v, mask.segment, s, min(s + BLOCK, n), starts[i], scale)
+        args = (q, k, v, mask.segment, s, min(s + BLOCK, n), starts[i], mask.offset, scale)
         if grad:
             out, lse = checkpoint(_prefix_block, *args, use_reentrant=False)
         else:
@@ -296,7 +314,7 @@ def _blockwise_prefix(q, k, v, mask: PackMask, scale: float):
 
 def _dense(q, keys, mask: PackMask, scale: float):
     """The reference: dense [heads, N, N] scores over the step-0 keys plus the diagonal ones."""
-    n = q.shape[1]
+    n = keys[0][0].shape[1]
     rep = q.shape[0] // keys[0][0].shape[0]
     keys = [(k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)) for k, v in keys]
     k0, v0 = keys[0]
@@ -310,15 +328,16 @@ def _dense(q, keys, mask: PackMask, scale: float):
 
 
 def attend(q, keys, mask: PackMask, scale: float):
-    """q [heads, N, d]; keys [(k, v)] with k/v [kv_heads, N, d]: keys[0] seen through `mask`,
-    keys[1:] on the diagonal (anchor t sees only its own entry). Returns [heads, N, d]."""
+    """q [heads, n, d] (the queries of `mask`); keys [(k, v)]: keys[0] [kv_heads, N, d] the
+    pack's step-0 keys, seen through `mask`; keys[1:] [kv_heads, n, d] on the diagonal
+    (anchor t sees only its own entry). Returns [heads, n, d]."""
     if mask.kernel == "dense":
         return _dense(q, keys, mask, scale)
     prefix = _flex_prefix if mask.kernel == "flex" else _blockwise_prefix
     out, lse0 = prefix(q, *keys[0], mask, scale)
     if len(keys) == 1:
         return out
-    kvh, n, d = keys[0][0].shape
+    kvh, n, d = keys[-1][0].shape
     qg = q.view(kvh, -1, n, d)  # (kv_heads, rep, N, d): GQA without repeating k/v
     diag = [(_f32((qg * k[:, None]).sum(-1)) * scale).view(-1, n) for k, _ in keys[1:]]
     total = torch.logsumexp(torch.stack([lse0, *diag]), dim=0)  # [heads, N]
@@ -346,9 +365,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, past: tuple, mask: PackMask):
-        """x [N, 2H]; past: the (k, v) of earlier TTT steps, each [kv_heads, N, d].
-        Returns (out [N, H], this step's (k, v))."""
+    def forward(self, x, cos, sin, past: tuple, mask: PackMask, split=None):
+        """x [n, 2H]; past: the (k, v) of earlier TTT steps, each [kv_heads, n, d] (step 0's:
+        the whole pack's, [kv_heads, N, d], gathered from the `split`'s ranks).
+        Returns (out [n, H], this step's (k, v))."""
         n = x.shape[0]
         x = autocast_once(x)
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
@@ -356,6 +376,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.contiguous()
+        if split is not None and not past:  # step 0: the prefix keys of the whole pack
+            k, v = split.gather(k), split.gather(v)
         out = attend(q, (*past, (k, v)), mask, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim)), (k, v)
 
@@ -382,12 +404,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, past: tuple, mask: PackMask):
+    def forward(self, embeds, hidden, cos, sin, past: tuple, mask: PackMask, split=None):
         """A pure function of its inputs (so it can be recomputed): (next hidden, (k, v))."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        attn, kv = self.self_attn(x, cos, sin, past, mask)
+        attn, kv = self.self_attn(x, cos, sin, past, mask, split)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -451,18 +473,21 @@ class Eagle3Draft(nn.Module):
         """`state_dict()` plus the frozen embedding: every tensor of the speculators file."""
         return {"embed_tokens.weight": self.embed_tokens.weight, **self.state_dict()}
 
-    def forward(self, aux, tokens, positions, doc, steps: int):
-        return self.ttt_forward(aux, tokens, positions, doc, steps)
+    def forward(self, aux, tokens, positions, doc, steps: int, split=None):
+        return self.ttt_forward(aux, tokens, positions, doc, steps, split)
 
-    def ttt_forward(self, aux, tokens, positions, doc, steps: int):
-        """Unrolled draft over one packed sequence of N anchors.
+    def ttt_forward(self, aux, tokens, positions, doc, steps: int, split=None):
+        """Unrolled draft over one packed sequence of N anchors, or over slice `split.part`
+        of it (n = N / split.parts anchors; `eagleflow.draft.sequence_parallel`).
 
-        aux [N, n_aux*H] (aux states at anchor t); tokens [steps, N] (token read at step k,
-        i.e. token t+1+k); positions [N] (position of token t+1); doc [N] sample index (a
-        sample is a run of equal consecutive values). Returns the draft-vocabulary logits of
-        every step, each [N, draft_vocab].
+        aux [n, n_aux*H] (aux states at anchor t); tokens [steps, n] (token read at step k,
+        i.e. token t+1+k); positions [n] (position of token t+1); doc [N] sample index of
+        every anchor of the pack (a sample is a run of equal consecutive values). Returns
+        the draft-vocabulary logits of every step, each [n, draft_vocab].
         """
-        mask = pack_mask(doc, kernel_for(self.cfg.attention, aux.device))
+        n = aux.shape[0]
+        offset = split.offset(n) if split is not None else 0
+        mask = pack_mask(doc, kernel_for(self.cfg.attention, aux.device), offset, n)
         hidden = self.fc(aux)
         past: tuple = ()
         logits = []
@@ -471,7 +496,7 @@ class Eagle3Draft(nn.Module):
         for k in range(steps):
             cos, sin = rotary(positions + k, self.cfg.head_dim, self.cfg.rope_theta)
             embeds = self.embed_tokens(tokens[k]).to(hidden.dtype)
-            args = (embeds, hidden, cos, sin, past, mask)
+            args = (embeds, hidden, cos, sin, past, mask, split)
             if recompute:  # keep the layer's inputs, recompute the rest in backward
                 hidden, kv = checkpoint(layer, *args, use_reentrant=False)
             else:

@@ -18,6 +18,7 @@ class TrainConfig:
     batch_packs: int = 8  # packs per optimizer step over all ranks: the anchors' 8 GPUs x 1
     max_tokens: int = 8192  # tokens per pack (speculators' packed `total_seq_len`)
     max_sample_tokens: int = 0  # 0: every sample trained in full; N: longer ones not trained
+    sequence_parallel: int = 1  # ranks that train one pack, each a slice (SpecForge: sp size)
     ttt_steps: int = 3  # speculators `--ttt-steps` (SpecForge: 7)
     step_weight: float = 0.8  # loss weight of TTT step k: step_weight**k (EAGLE-3)
     lr: float = 1e-4  # speculators and SpecForge
@@ -36,7 +37,7 @@ class TrainConfig:
     heldout_modulus: int = HELDOUT_MODULUS  # held-out samples (eagleflow.data.heldout)
 
     def __post_init__(self):
-        for key in ("epochs", "batch_packs", "ttt_steps", "save_every"):
+        for key in ("epochs", "batch_packs", "ttt_steps", "save_every", "sequence_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"draft.{key} = {getattr(self, key)}: must be at least 1")
         if self.max_tokens < 16:
@@ -49,4 +50,4 @@ class TrainConfig:
 # (resumed when the checkpoint lies within it) and settings that do not touch the weights.
 EXTENT_KEYS = ("epochs", "max_steps")
 RUNTIME_KEYS = ("eval_every", "eval_samples", "save_every", "num_workers", "prefetch_factor")
-RUNTIME_KEYS += ("device", "device_memory_gb")
+RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel")

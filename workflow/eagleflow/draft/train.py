@@ -67,6 +67,7 @@ from eagleflow.draft.data import (
 )
 from eagleflow.draft.memory_plan import Workload, check_plan, device_memory, plan_memory
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.sequence_parallel import split_groups
 from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.vocab import DraftVocab
 from eagleflow.target.head import EMBED, TargetHead, read_target_config, read_target_tensor
@@ -142,8 +143,8 @@ def all_reduce_stats(stats: list[StepStats], device) -> list[StepStats]:
 
 
 def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: float):
-    """Weighted KL over the TTT steps (each step's mean over the pack's anchors), and each
-    step's `StepStats`."""
+    """Weighted KL over the TTT steps (each step's mean over the pack's anchors: the sum over
+    this slice's, over the pack's count), and each step's `StepStats`."""
     total = logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     target_logp = F.log_softmax(target_logits, dim=-1)
@@ -154,7 +155,7 @@ def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: floa
         tgt = target_logp[batch.target_index[k][valid]]
         logq = F.log_softmax(step_logits[valid].float(), dim=-1)
         kl = (tgt.exp() * (tgt - logq)).sum(-1)
-        loss_k = kl.mean() if n else kl.sum()
+        loss_k = kl.sum() / max(int(batch.step_tokens[k]), 1)
         total = total + step_weight**k * loss_k
         correct = torch.zeros_like(valid)
         correct[valid] = logq.argmax(-1) == tgt.argmax(-1)
@@ -188,27 +189,30 @@ def validation_metrics(sums: list[StepStats], step_weight: float) -> dict:
     return out
 
 
-def pack_loss(model, head, batch, cfg: TrainConfig, device: torch.device):
-    """The TTT loss of one pack (states dequantized on the device; bf16 autocast on CUDA)."""
+def pack_loss(model, head, batch, cfg: TrainConfig, device: torch.device, split=None):
+    """The TTT loss of one pack, or of this rank's slice of it under `split` (states
+    dequantized on the device; bf16 autocast on CUDA)."""
     cuda = device.type == "cuda"
     aux, final = batch.values(torch.bfloat16 if cuda else torch.float32)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-        logits = model(aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps)
+        logits = model(aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps, split)
     return ttt_loss(logits, head(final), batch, cfg.step_weight)
 
 
-def train_step(model, head, optim, cfg: TrainConfig, batches, micro_steps: int, device):
+def train_step(model, head, optim, cfg, batches, micro_steps: int, device, split=None):
     """One optimizer step over `micro_steps` packs (read lazily from `batches`): each pack's
     loss / micro_steps is backpropagated, FSDP averages over the ranks, so the update is
-    the gradient of the mean pack loss of the global batch. Returns (sum of the real packs'
-    losses, real packs, summed `StepStats`, gradient norm before clipping)."""
+    the gradient of the mean pack loss of the global batch. Under `split` a pack's loss is
+    the sum of its slices' over `parts` ranks, so each slice's is scaled by `parts` against
+    that average. Returns (sum of the packs' losses over this rank's slices, real packs,
+    summed `StepStats`, gradient norm before clipping)."""
     loss_sum, packs, sums = 0.0, 0, [StepStats() for _ in range(cfg.ttt_steps)]
+    scale = (split.parts if split is not None else 1) / micro_steps
     for batch in batches:
-        loss, stats = pack_loss(model, head, batch, cfg, device)
-        (loss / micro_steps).backward()
-        if batch.samples:
-            loss_sum += float(loss.detach())
-            packs += 1
+        loss, stats = pack_loss(model, head, batch, cfg, device, split)
+        (loss * scale).backward()
+        loss_sum += float(loss.detach())  # 0 for a padding pack
+        packs += batch.samples > 0  # a pack is counted by its first slice
         sums = [a + b for a, b in zip(sums, stats)]
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
@@ -219,12 +223,13 @@ def train_step(model, head, optim, cfg: TrainConfig, batches, micro_steps: int, 
 
 
 @torch.no_grad()
-def evaluate(model, head, loader, cfg: TrainConfig, device) -> dict | None:
+def evaluate(model, head, loader, cfg: TrainConfig, device, split=None) -> dict | None:
     """`validation_metrics` over the held-out packs of every rank (None without any)."""
     model.eval()
     sums = [StepStats() for _ in range(cfg.ttt_steps)]
     for batch in loader:
-        _, stats = pack_loss(model, head, batch.to(device, non_blocking=True), cfg, device)
+        batch = batch.to(device, non_blocking=True)
+        _, stats = pack_loss(model, head, batch, cfg, device, split)
         sums = [a + b for a, b in zip(sums, stats)]
     model.train()
     sums = all_reduce_stats(sums, device)
@@ -358,9 +363,10 @@ def full_weights(model) -> dict:
 
 
 def check_memory(draft_cfg, cfg: TrainConfig, pack_tokens: int, world: int, device, log):
-    """Refuse, before the device is touched, a run whose largest pack cannot fit
-    (`eagleflow.draft.memory_plan`); the plan goes to the log."""
-    workload = Workload(pack_tokens, cfg.ttt_steps, world, device.type)
+    """Refuse, before the device is touched, a run whose largest pack (its slice per rank,
+    under sequence splitting) cannot fit (`eagleflow.draft.memory_plan`); the plan goes to
+    the log."""
+    workload = Workload(pack_tokens, cfg.ttt_steps, world, device.type, cfg.sequence_parallel)
     plan = plan_memory(draft_cfg, workload, device_memory(cfg.device_memory_gb or None, device))
     log(plan.describe())
     try:
@@ -559,11 +565,14 @@ class TrainData:
         return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
 
     def loaders(self, cfg: TrainConfig, start: int, end: int, rank: int, world: int, pin: bool):
-        """(training loader, its sampler, validation loader) of this rank."""
-        dataset = PackDataset(self.layout, self.table, cfg.ttt_steps)
-        sampler = RankSampler(self.plan, self.epoch_starts, start, end, rank, world)
+        """(training loader, its sampler, validation loader) of this rank: the ranks of one
+        sequence-parallel group read the same packs, each its own slice."""
+        parts = cfg.sequence_parallel
+        part, dp_rank, dp_world = rank % parts, rank // parts, world // parts
+        dataset = PackDataset(self.layout, self.table, cfg.ttt_steps, part, parts)
+        sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
         workers = (cfg.num_workers, cfg.prefetch_factor, pin)
-        held = HeldoutSampler(self.eval_table, cfg.max_tokens, rank, world)
+        held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
         return (
             data_loader(dataset, sampler, *workers),
             sampler,
@@ -583,6 +592,12 @@ def train(
     """Train (or resume) and return the summary; `stop_after` ends early as a crash would
     (no checkpoint, no summary)."""
     rank, world, device = init_distributed(cfg)
+    if world % cfg.sequence_parallel:
+        raise ValueError(
+            f"draft.sequence_parallel = {cfg.sequence_parallel} ranks per pack does not divide "
+            f"the {world} ranks (draft.nodes x draft.processes_per_node): make it a divisor"
+        )
+    split = split_groups(world, cfg.sequence_parallel, rank)
 
     def log(msg):
         if rank == 0:
@@ -616,12 +631,14 @@ def train(
     loader, sampler, val_loader = data.loaders(
         cfg, start, end, rank, world, pin=device.type == "cuda"
     )
+    if split is not None:
+        mode += f", sequence parallel over {split.parts} ranks"
     log(f"{mode} on {world} rank(s), {sampler.micro_steps} pack(s) per rank and step")
 
     def keep_if_best(step):
         """Validate; keep the draft in best/ when its simulated acceptance length is the best
         so far (without held-out samples: the last draft)."""
-        metrics = evaluate(model, head, val_loader, cfg, device)
+        metrics = evaluate(model, head, val_loader, cfg, device, split)
         if metrics is not None:
             files.validation(step, metrics)
             log(
@@ -670,7 +687,7 @@ def train(
         for group in optim.param_groups:
             group["lr"] = lr
         loss_sum, packs, sums, norm = train_step(
-            model, head, optim, cfg, micro_batches(), sampler.micro_steps, device
+            model, head, optim, cfg, micro_batches(), sampler.micro_steps, device, split
         )
         timing["step"] += time.perf_counter() - t_step
         timing["wait"] += seen["wait"]
@@ -725,6 +742,7 @@ def train(
         "steps_per_epoch": [b - a for a, b in zip(data.epoch_starts, data.epoch_starts[1:])],
         "batch_packs": cfg.batch_packs,
         "micro_steps_per_rank": sampler.micro_steps,
+        "sequence_parallel": cfg.sequence_parallel,
         "start_step": start,
         "end_step": end,
         "tokens_trained": progress.tokens_trained,
