@@ -472,9 +472,10 @@ def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
 # ---------------------------------------------------------------- the draft's forward == vLLM's
 
 
-def perturbed_export(tiny, out, norm_before_residual, seed):
+def perturbed_export(tiny, out, norm_before_residual, seed, **arch):
     """An exported draft with a pruned vocabulary and non-trivial weights everywhere (norms
-    included), so every placement (hidden_norm, residual, fc order, d2t) shows."""
+    included), so every placement (hidden_norm, residual, fc order, d2t) shows; `arch`:
+    DraftConfig options (fc_norm, norm_output)."""
     from eagleflow.draft.train import build_draft
 
     target, shards = tiny
@@ -489,6 +490,7 @@ def perturbed_export(tiny, out, norm_before_residual, seed):
         num_key_value_heads=2,
         head_dim=8,
         norm_before_residual=norm_before_residual,
+        **arch,
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -503,16 +505,17 @@ def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
     """eagleflow's TTT forward (what training optimises) against vLLM 0.32's own
     Eagle3LlamaForCausalLM loaded from the export (config translation, load_weights, d2t,
     forward, compute_logits), drafting three tokens for the last position of a prompt the
-    way vLLM's proposer does. Both residual variants."""
+    way vLLM's proposer does. Both residual variants, and "Eagle 3.1" (fc_norm, norm_output)."""
     n, steps = 9, 3
     g = torch.Generator().manual_seed(7)
     aux = torch.randn(n, 3 * H, generator=g)
     seq = torch.randint(0, V, (n + steps,), generator=g)
     tokens = torch.stack([seq[1 + k : 1 + k + n] for k in range(steps)])  # step k reads t+1+k
+    variants = [(True, {}), (False, {}), (True, {"fc_norm": True, "norm_output": True})]
     drafts, dirs = [], []
-    for i, nbr in enumerate((True, False)):
+    for i, (nbr, arch) in enumerate(variants):
         d = tmp_path / f"export{i}"
-        drafts.append(perturbed_export(tiny, d, nbr, seed=i))
+        drafts.append(perturbed_export(tiny, d, nbr, seed=i, **arch))
         dirs.append(str(d))
     torch.save(
         {"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
@@ -534,8 +537,10 @@ def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = torch.load(tmp_path / "out.pt")
-    for (draft, vocab), res, nbr in zip(drafts, results, (True, False)):
+    for (draft, vocab), res, (nbr, arch) in zip(drafts, results, variants):
         assert res["norm_before_residual"] is nbr and res["draft_vocab_size"] == 48
+        assert res["fc_norm"] is arch.get("fc_norm", False)
+        assert res["norm_output"] is arch.get("norm_output", False)
         with torch.no_grad():  # eagleflow: positions of token t+1 (vLLM: t); RoPE is relative
             ours = draft.ttt_forward(
                 aux, tokens, torch.arange(n) + 1, torch.zeros(n, dtype=torch.long), steps

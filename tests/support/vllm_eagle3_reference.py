@@ -125,6 +125,8 @@ def main():
             {
                 "logits": draft_like_vllm(model, data["aux"], data["tokens"]),
                 "norm_before_residual": hf.norm_before_residual,
+                "fc_norm": bool(getattr(hf, "fc_norm", False)),
+                "norm_output": bool(getattr(hf, "norm_output", False)),
                 "draft_vocab_size": hf.draft_vocab_size,
             }
         )

@@ -238,6 +238,8 @@ def load_export(export_dir):
         rope_theta=tl["rope_theta"],
         max_position_embeddings=tl["max_position_embeddings"],
         norm_before_residual=cfg.get("norm_before_residual", True),
+        fc_norm=cfg.get("fc_norm", False),
+        norm_output=cfg.get("norm_output", False),
     )
     draft = Eagle3Draft(dc)
     draft.load_state_dict(

@@ -341,11 +341,22 @@ def slice_rows(n: int, steps: int, part: int, parts: int) -> tuple[int, int, int
 
 
 def build_batch(
-    ids, mask, hidden, starts, layout: ShardLayout, steps: int, scales=None, part=0, parts=1
+    ids,
+    mask,
+    hidden,
+    starts,
+    layout: ShardLayout,
+    steps: int,
+    scales=None,
+    part=0,
+    parts=1,
+    in_vocab=None,
 ) -> Batch:
     """ids/mask [N] of the whole pack; starts: row where each sample begins; hidden
     [rows, n_layers, H] as stored (fp8: with `scales` [rows, n_layers]): the pack's rows
-    [a, e) of `slice_rows` (all N rows in one part)."""
+    [a, e) of `slice_rows` (all N rows in one part). `in_vocab` [V] bool (the draft's t2d):
+    a step whose next token (the one its target predicts, in the sample) is outside the draft
+    vocabulary is not trained on."""
     order = layout.aux_index + [layout.final_index]
     n = ids.shape[0]
     a, b, e = slice_rows(n, steps, part, parts)
@@ -366,7 +377,12 @@ def build_batch(
         same = inside & (doc[jc] == doc)
         tokens.append(torch.where(same, ids[jc], torch.zeros_like(ids)))
         target_index.append(jc)
-        valid.append(same & mask[jc])
+        trained = same & mask[jc]
+        if in_vocab is not None:  # the token at t+2+k, where the sample has one
+            label = (t + 2 + k).clamp(max=total - 1)
+            has_label = (t + 2 + k < n) & (doc[label] == doc)
+            trained &= ~has_label | in_vocab[ids[label]]
+        valid.append(trained)
     valid = torch.stack(valid)
     rows = max(b, e) - a  # anchors, then the rows only read for targets
     states = hidden[:, order]
@@ -392,9 +408,9 @@ class PackDataset(Dataset):
     `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
     every rank runs the same forwards."""
 
-    def __init__(self, layout: ShardLayout, table: SampleTable, steps: int, part=0, parts=1):
+    def __init__(self, layout, table: SampleTable, steps: int, part=0, parts=1, in_vocab=None):
         self.layout, self.table, self.steps = layout, table, steps
-        self.part, self.parts = part, parts
+        self.part, self.parts, self.in_vocab = part, parts, in_vocab
         self._files: dict[int, object] = {}  # open handles of this process (each worker's own)
 
     def _file(self, s: int):
@@ -444,6 +460,7 @@ class PackDataset(Dataset):
             torch.cat([p[3] for p in parts]) if parts[0][3] is not None else None,
             self.part,
             self.parts,
+            self.in_vocab,
         )
 
     def padding(self) -> Batch:

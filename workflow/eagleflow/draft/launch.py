@@ -39,7 +39,8 @@ from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
 TRAINER = "eagleflow.draft.train"
 LAUNCHER = "eagleflow.draft.launch"  # this module: one srun task, one rank
 CONFIG_FILE = "train_config.json"  # in the trainer's work directory
-DRAFT_KEYS = ("attention", "activation_checkpointing")  # how the draft computes (DraftConfig)
+ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
+DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
 
 
 class LaunchError(ValueError):
@@ -149,6 +150,7 @@ def recipe_settings(draft: dict) -> dict:
     params, so that a change to one of them (and to nothing else) runs the job again (it then
     resumes or restarts, as `eagleflow.draft.train.training_recipe` decides)."""
     names = {f.name for f in fields(TrainConfig)} - set(RUNTIME_KEYS) - {"heldout_modulus"}
+    names |= set(ARCH_KEYS)
     return {k: draft[k] for k in sorted(names) if k in draft}
 
 

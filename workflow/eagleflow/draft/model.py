@@ -73,6 +73,10 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     norm_before_residual: bool = True  # speculators' and vLLM's default for eagle3
+    # "Eagle 3.1" (speculators PR #610; vLLM 0.32 loads both): an RMSNorm per aux state
+    # before fc, and the next TTT step fed the final-normed hidden state
+    fc_norm: bool = False
+    norm_output: bool = False
     # How the forward is computed, not what it computes (`architecture()` leaves them out):
     attention: str = "flex"  # "flex" (no [N, N] tensor) or "eager" (dense, the reference)
     activation_checkpointing: bool = False  # recompute the decoder layer per TTT step
@@ -445,6 +449,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = FrozenEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.fc_norm = None
+        if cfg.fc_norm:
+            norms = [RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)]
+            self.fc_norm = nn.ModuleList(norms)
         self.fc = nn.Linear(cfg.num_aux * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -488,7 +496,7 @@ class Eagle3Draft(nn.Module):
         n = aux.shape[0]
         offset = split.offset(n) if split is not None else 0
         mask = pack_mask(doc, kernel_for(self.cfg.attention, aux.device), offset, n)
-        hidden = self.fc(aux)
+        hidden = self.fuse(aux)
         past: tuple = ()
         logits = []
         layer = self.layers[0]
@@ -502,5 +510,15 @@ class Eagle3Draft(nn.Module):
             else:
                 hidden, kv = layer(*args)
             past = (*past, kv)
-            logits.append(self.lm_head(self.norm(hidden)))
+            normed = self.norm(hidden)
+            logits.append(self.lm_head(normed))
+            if self.cfg.norm_output:  # vLLM's norm_output: the next step reads it normed
+                hidden = normed
         return logits
+
+    def fuse(self, aux):
+        """fc over the aux states (each RMS-normed first with `fc_norm`)."""
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from eagleflow.data.heldout import HELDOUT_MODULUS
 
+LOSSES = ("kl", "lk_hybrid")
+
 
 @dataclass
 class TrainConfig:
@@ -21,6 +23,9 @@ class TrainConfig:
     sequence_parallel: int = 1  # ranks that train one pack, each a slice (SpecForge: sp size)
     ttt_steps: int = 3  # speculators `--ttt-steps` (SpecForge: 7)
     step_weight: float = 0.8  # loss weight of TTT step k: step_weight**k (EAGLE-3)
+    loss: str = "kl"  # "kl": forward KL(target || draft); "lk_hybrid": the LK paper's blend
+    noise_std: float = 0.0  # Gaussian noise on the aux states, x each state's RMS (training)
+    mask_oov: bool = False  # no loss where the next token is outside the draft vocabulary
     lr: float = 1e-4  # speculators and SpecForge
     warmup_ratio: float = 0.015  # SpecForge (speculators: 0.01)
     min_lr_ratio: float = 0.0  # both decay to 0 (SpecForge cosine, speculators linear)
@@ -42,6 +47,8 @@ class TrainConfig:
                 raise ValueError(f"draft.{key} = {getattr(self, key)}: must be at least 1")
         if self.max_tokens < 16:
             raise ValueError(f"draft.max_tokens = {self.max_tokens}: must be at least 16")
+        if self.loss not in LOSSES:
+            raise ValueError(f"draft.loss = {self.loss!r}: one of {', '.join(LOSSES)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("draft.warmup_ratio must be in [0, 1), draft.min_lr_ratio in [0, 1]")
 

@@ -142,9 +142,17 @@ def all_reduce_stats(stats: list[StepStats], device) -> list[StepStats]:
     ]
 
 
-def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: float):
-    """Weighted KL over the TTT steps (each step's mean over the pack's anchors: the sum over
-    this slice's, over the pack's count), and each step's `StepStats`."""
+LK_ETA = 3.0  # the LK paper's best hybrid blend temperature (speculators' default)
+
+
+def ttt_loss(logits: list, target_logits, batch, step_weight: float, loss: str = "kl"):
+    """Weighted objective over the TTT steps (each step's mean over the pack's anchors: the
+    sum over this slice's, over the pack's count), and each step's `StepStats` (KL).
+
+    loss "kl": KL(target || draft). "lk_hybrid" (arXiv 2602.23881, as speculators 0.9's
+    `lk_hybrid_loss`): w KL + (1 - w) TV per anchor, TV = 1 - sum min(p, q) (one minus the
+    acceptance rate), w = exp(-eta sg[sum min(p, q)]): KL's gradient while the draft is far
+    off, the acceptance rate itself once it is close."""
     total = logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     target_logp = F.log_softmax(target_logits, dim=-1)
@@ -155,7 +163,12 @@ def ttt_loss(logits: list, target_logits: torch.Tensor, batch, step_weight: floa
         tgt = target_logp[batch.target_index[k][valid]]
         logq = F.log_softmax(step_logits[valid].float(), dim=-1)
         kl = (tgt.exp() * (tgt - logq)).sum(-1)
-        loss_k = kl.sum() / max(int(batch.step_tokens[k]), 1)
+        objective = kl
+        if loss == "lk_hybrid":
+            overlap = torch.minimum(tgt.exp(), logq.exp()).sum(-1)
+            weight = torch.exp(-LK_ETA * overlap.detach())
+            objective = weight * kl + (1 - weight) * (1 - overlap)
+        loss_k = objective.sum() / max(int(batch.step_tokens[k]), 1)
         total = total + step_weight**k * loss_k
         correct = torch.zeros_like(valid)
         correct[valid] = logq.argmax(-1) == tgt.argmax(-1)
@@ -194,9 +207,19 @@ def pack_loss(model, head, batch, cfg: TrainConfig, device: torch.device, split=
     dequantized on the device; bf16 autocast on CUDA)."""
     cuda = device.type == "cuda"
     aux, final = batch.values(torch.bfloat16 if cuda else torch.float32)
+    if model.training and cfg.noise_std:
+        aux = add_noise(aux, final.shape[-1], cfg.noise_std)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
         logits = model(aux, batch.tokens, batch.positions, batch.doc, cfg.ttt_steps, split)
-    return ttt_loss(logits, head(final), batch, cfg.step_weight)
+    return ttt_loss(logits, head(final), batch, cfg.step_weight, cfg.loss)
+
+
+def add_noise(aux: torch.Tensor, hidden: int, std: float) -> torch.Tensor:
+    """aux [n, n_aux*H] plus Gaussian noise of `std` times each state's RMS (per token and
+    layer: a target's layers differ in scale by orders)."""
+    states = aux.view(aux.shape[0], -1, hidden)
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt().to(aux.dtype)
+    return (states + std * rms * torch.randn_like(states)).flatten(1)
 
 
 def train_step(model, head, optim, cfg, batches, micro_steps: int, device, split=None):
@@ -564,19 +587,23 @@ class TrainData:
     def epoch_of(self, step: int) -> int:
         return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
 
-    def loaders(self, cfg: TrainConfig, start: int, end: int, rank: int, world: int, pin: bool):
+    def loaders(self, cfg, start: int, end: int, rank: int, world: int, pin: bool, in_vocab):
         """(training loader, its sampler, validation loader) of this rank: the ranks of one
-        sequence-parallel group read the same packs, each its own slice."""
+        sequence-parallel group read the same packs, each its own slice. With `mask_oov`,
+        training skips positions whose next token is outside the draft vocabulary
+        (`in_vocab`: t2d); validation never does (its acceptance counts every position)."""
         parts = cfg.sequence_parallel
         part, dp_rank, dp_world = rank % parts, rank // parts, world // parts
-        dataset = PackDataset(self.layout, self.table, cfg.ttt_steps, part, parts)
+        steps, oov = cfg.ttt_steps, in_vocab if cfg.mask_oov else None
+        dataset = PackDataset(self.layout, self.table, steps, part, parts, in_vocab=oov)
+        held_dataset = PackDataset(self.layout, self.table, steps, part, parts)
         sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
         workers = (cfg.num_workers, cfg.prefetch_factor, pin)
         held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
         return (
             data_loader(dataset, sampler, *workers),
             sampler,
-            data_loader(dataset, held, *workers),
+            data_loader(held_dataset, held, *workers),
         )
 
 
@@ -629,7 +656,7 @@ def train(
     end = total if stop_after is None else min(total, stop_after)
     files = RunFiles(out, cfg.ttt_steps, start, rank)
     loader, sampler, val_loader = data.loaders(
-        cfg, start, end, rank, world, pin=device.type == "cuda"
+        cfg, start, end, rank, world, device.type == "cuda", vocab.t2d
     )
     if split is not None:
         mode += f", sequence parallel over {split.parts} ranks"
