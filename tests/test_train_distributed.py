@@ -191,6 +191,26 @@ def test_two_ranks_sharing_each_pack_take_the_steps_of_one_rank(tmp_path):
     assert_same_draft(tmp_path / "one", tmp_path / "split")
 
 
+def test_a_frozen_target_lm_head_trains_alike_on_one_and_two_ranks_and_stays_the_targets(
+    data, tmp_path
+):
+    """draft.lm_head: target_frozen (speculators' draft): the target's rows, outside FSDP's
+    sharding and the optimizer, in the exported weights unchanged."""
+    from eagleflow.target.head import LM_HEAD, read_target_tensor
+
+    target, _, vocab = data
+    one = run_here(data, tmp_path / "one", lm_head="target_frozen")
+    torchrun(data, tmp_path / "two", 2, lm_head="target_frozen")
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=0
+    )
+    assert_same_draft(tmp_path / "one", tmp_path / "two")
+    rows = read_target_tensor(target, LM_HEAD)[vocab.target_ids]
+    draft, _ = load_trained(tmp_path / "two")
+    assert torch.equal(draft.lm_head.weight, rows.float())
+    assert one["steps"] == 6
+
+
 def test_sequence_parallel_must_divide_the_ranks(data, tmp_path):
     with pytest.raises(ValueError, match=r"draft.sequence_parallel = 2 .* the 1 ranks"):
         run_here(data, tmp_path / "out", sequence_parallel=2)

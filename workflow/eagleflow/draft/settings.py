@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from eagleflow.data.heldout import HELDOUT_MODULUS
 
 LOSSES = ("kl", "lk_hybrid")
+LM_HEADS = ("random", "target", "target_frozen")
 
 
 @dataclass
@@ -26,6 +27,7 @@ class TrainConfig:
     loss: str = "kl"  # "kl": forward KL(target || draft); "lk_hybrid": the LK paper's blend
     noise_std: float = 0.0  # Gaussian noise on the aux states, x each state's RMS (training)
     mask_oov: bool = False  # no loss where the next token is outside the draft vocabulary
+    lm_head: str = "random"  # "target": init from the target's rows; "target_frozen": kept
     lr: float = 1e-4  # speculators and SpecForge
     warmup_ratio: float = 0.015  # SpecForge (speculators: 0.01)
     min_lr_ratio: float = 0.0  # both decay to 0 (SpecForge cosine, speculators linear)
@@ -49,6 +51,8 @@ class TrainConfig:
             raise ValueError(f"draft.max_tokens = {self.max_tokens}: must be at least 16")
         if self.loss not in LOSSES:
             raise ValueError(f"draft.loss = {self.loss!r}: one of {', '.join(LOSSES)}")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"draft.lm_head = {self.lm_head!r}: one of {', '.join(LM_HEADS)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("draft.warmup_ratio must be in [0, 1), draft.min_lr_ratio in [0, 1]")
 

@@ -70,7 +70,13 @@ from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.draft.sequence_parallel import split_groups
 from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.vocab import DraftVocab
-from eagleflow.target.head import EMBED, TargetHead, read_target_config, read_target_tensor
+from eagleflow.target.head import (
+    EMBED,
+    LM_HEAD,
+    TargetHead,
+    read_target_config,
+    read_target_tensor,
+)
 
 METRICS, VALIDATION, CURVES = "metrics.csv", "validation.csv", "curves.png"
 SUMMARY, PROGRESS = "summary.json", "progress.json"
@@ -262,14 +268,23 @@ def evaluate(model, head, loader, cfg: TrainConfig, device, split=None) -> dict 
 # ---------------------------------------------------------------- model, parallelism, state
 
 
-def build_draft(target_dir, vocab: DraftVocab, num_aux: int, seed: int, **draft_overrides):
-    """A fresh draft (seeded init) with the target's embedding and the vocab maps."""
+def build_draft(
+    target_dir, vocab: DraftVocab, num_aux: int, seed: int, lm_head="random", **draft_overrides
+):
+    """A fresh draft (seeded init) with the target's embedding and the vocab maps. lm_head
+    (`draft.lm_head`): "random" (seeded init, trained), "target" (the target's lm_head rows
+    over the draft vocabulary, trained from there) or "target_frozen" (those rows, never
+    trained: speculators 0.9's draft)."""
     config = read_target_config(target_dir)
     cfg = DraftConfig.for_target(config, vocab.size, num_aux, **draft_overrides)
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     model.set_vocab(vocab.d2t, vocab.t2d)
     model.set_embedding(read_target_tensor(target_dir, EMBED))
+    if lm_head != "random":
+        with torch.no_grad():
+            model.lm_head.weight.copy_(read_target_tensor(target_dir, LM_HEAD)[vocab.target_ids])
+        model.lm_head.weight.requires_grad_(lm_head != "target_frozen")
     return model
 
 
@@ -637,9 +652,8 @@ def train(
     data = TrainData.read(shards, num_layers, cfg, log)
     total, warmup = data.total, round(cfg.warmup_ratio * data.total)
 
-    model = build_draft(
-        target_dir, vocab, len(data.layout.aux_ids), cfg.seed, **(draft_overrides or {})
-    )
+    n_aux, overrides = len(data.layout.aux_ids), draft_overrides or {}
+    model = build_draft(target_dir, vocab, n_aux, cfg.seed, cfg.lm_head, **overrides)
     check_memory(model.cfg, cfg, max(cfg.max_tokens, data.table.longest_train), world, device, log)
     head = TargetHead.load(target_dir, vocab.target_ids, dtype=torch.bfloat16).to(device)
     model.to(device)
