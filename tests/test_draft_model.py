@@ -253,6 +253,7 @@ def test_draft_config_new_fields_have_defaults_and_are_not_architecture():
     assert (cfg.attention, cfg.activation_checkpointing) == ("flex", False)
     assert cfg.architecture() == old
     assert DraftConfig(**old, attention="eager").architecture() == old
+    assert DraftConfig(**old, fc_norm=True).architecture() == {**old, "fc_norm": True}
     with pytest.raises(ValueError, match="attention 'sdpa'"):
         DraftConfig(**old, attention="sdpa")
 

@@ -55,6 +55,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from torch.utils.checkpoint import checkpoint
 
 ATTENTION = ("flex", "eager")
+LATER_OPTIONS = ("fc_norm", "norm_output")  # architecture added after checkpoints existed
 BLOCK = 128  # query/key block of the flex BlockMask and of the blockwise CPU kernel
 FROZEN_DTYPE = torch.bfloat16  # the target's embedding, as the target stores it
 
@@ -115,6 +116,9 @@ class DraftConfig:
         """The fields that decide what the weights mean (what a resume must match)."""
         d = self.to_dict()
         del d["attention"], d["activation_checkpointing"]
+        for key in LATER_OPTIONS:  # off: the draft of a checkpoint written before them
+            if not d[key]:
+                del d[key]
         return d
 
 
