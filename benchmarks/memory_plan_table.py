@@ -36,6 +36,18 @@ KIMI_K25 = {
 DEVICES = {"H100": 79.1, "H200": 139.8}
 
 
+def device_plans(cfg, workload: Workload) -> list:
+    """The plan of `workload` against each of `DEVICES` (the parts do not depend on it)."""
+    return [plan_memory(cfg, workload, int(gib * GB)) for gib in DEVICES.values()]
+
+
+def table_row(labels: list, cells: list[int], plans: list) -> str:
+    """A markdown row: the labels, the byte counts in GiB, whether each device fits."""
+    values = [*map(str, labels), *(f"{c / GB:.1f}" for c in cells)]
+    values += ["yes" if p.fits else "**no**" for p in plans]
+    return "| " + " | ".join(values) + " |"
+
+
 def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> str:
     """One row per (sequence, TTT steps, checkpointing): GiB per device by part, and whether
     it fits each of `DEVICES` (the parts do not depend on the device)."""
@@ -51,21 +63,13 @@ def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> st
                 cfg = draft_config_for(
                     target_config, draft_vocab, num_aux, activation_checkpointing=ckpt
                 )
-                plans = [
-                    plan_memory(cfg, Workload(tokens, steps, ranks), int(gib * GB))
-                    for gib in DEVICES.values()
-                ]
+                plans = device_plans(cfg, Workload(tokens, steps, ranks))
                 plan = plans[0]
                 state = plan.params + plan.grads + plan.optimizer
                 cells = [state, plan.working, plan.frozen, plan.inputs, plan.activations]
                 cells += [plan.loss, plan.total]
-                rows.append(
-                    f"| {tokens // 1024}k | {steps} | {'on' if ckpt else 'off'} | "
-                    + " | ".join(f"{c / GB:.1f}" for c in cells)
-                    + " | "
-                    + " | ".join("yes" if p.fits else "**no**" for p in plans)
-                    + " |"
-                )
+                labels = [f"{tokens // 1024}k", steps, "on" if ckpt else "off"]
+                rows.append(table_row(labels, cells, plans))
     first = plan_memory(draft_config_for(target_config, draft_vocab, num_aux), Workload(1, 1))
     head = (
         f"{first.trainable_params:,} trainable parameters, {ranks} ranks (FSDP), bf16 autocast, "
@@ -89,16 +93,10 @@ def split_table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int)
             if ranks % parts:
                 continue
             workload = Workload(tokens, 7, ranks, "cuda", parts)
-            plans = [plan_memory(cfg, workload, int(gib * GB)) for gib in DEVICES.values()]
-            plan = plans[0]
-            cells = [plan.activations, plan.loss, plan.total]
-            rows.append(
-                f"| {tokens:,} | {parts} | {workload.device_tokens:,} | "
-                + " | ".join(f"{c / GB:.1f}" for c in cells)
-                + " | "
-                + " | ".join("yes" if p.fits else "**no**" for p in plans)
-                + " |"
-            )
+            plans = device_plans(cfg, workload)
+            cells = [plans[0].activations, plans[0].loss, plans[0].total]
+            labels = [f"{tokens:,}", parts, f"{workload.device_tokens:,}"]
+            rows.append(table_row(labels, cells, plans))
     return "\n".join(rows)
 
 

@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainer_head_to_head import (  # noqa: E402
     EMBEDDED_TARGET,
+    RunSetup,
     evaluate_export,
-    finished_run,
     paired_difference,
     train_ours,
-    workflow_config,
 )
 
 # arm: (TrainConfig changes, DraftConfig changes), each one change from the anchors
@@ -136,20 +135,9 @@ def main(argv=None):
         print_table(results, arms, args.seeds)
         return
 
-    from eagleflow.draft.acceptance import EvalSettings, load_prompts
-    from eagleflow.draft.launch import train_settings
-    from eagleflow.engine.settings import EngineSettings
-
-    config = workflow_config(args.configfile)
-    modulus = config["data"]["heldout_modulus"]
-    cfg, overrides = train_settings(config["draft"], modulus, "cpu")
-    shards, vocab = finished_run(args)
-    target = str(Path(args.target).resolve())
-    config["target"]["path"] = target
-    engine = EngineSettings.from_config(config, "evaluate")
-    ev = EvalSettings.from_config(config)
-    dataset = args.dataset or config["data"]["path"]
-    prompts = load_prompts(dataset, target, ev.num_prompts, modulus)
+    setup = RunSetup.read(args)
+    cfg, overrides, shards, vocab = setup.cfg, setup.overrides, setup.shards, setup.vocab
+    target, engine, ev, prompts = setup.target, setup.engine, setup.ev, setup.prompts
     work.mkdir(parents=True, exist_ok=True)
     print(
         f"{len(shards)} shards, vocabulary {vocab}, target {target}; {len(prompts)} held-out "

@@ -428,6 +428,42 @@ def finished_run(args) -> tuple[list[str], str]:
     return shards, args.vocab or vocabs[0]
 
 
+@dataclass
+class RunSetup:
+    """What every arm of a benchmark run shares: the workflow's draft settings, the finished
+    run's shards, vocabulary and target, and the `evaluate` rule's engine and prompts."""
+
+    cfg: object  # TrainConfig
+    overrides: dict  # DraftConfig overrides
+    modulus: int  # data.heldout_modulus
+    shards: list[str]
+    vocab: str  # vocab.safetensors
+    target: str
+    engine: object  # EngineSettings
+    ev: object  # EvalSettings
+    dataset: str
+    prompts: list
+
+    @classmethod
+    def read(cls, args) -> RunSetup:
+        """From `--configfile`, `--shards`, `--vocab`, `--target` and `--dataset`."""
+        from eagleflow.draft.acceptance import EvalSettings, load_prompts
+        from eagleflow.draft.launch import train_settings
+        from eagleflow.engine.settings import EngineSettings
+
+        config = workflow_config(args.configfile)
+        modulus = config["data"]["heldout_modulus"]
+        cfg, overrides = train_settings(config["draft"], modulus, "cpu")
+        shards, vocab = finished_run(args)
+        target = str(Path(args.target).resolve())
+        config["target"]["path"] = target
+        ev = EvalSettings.from_config(config)
+        dataset = args.dataset or config["data"]["path"]
+        prompts = load_prompts(dataset, target, ev.num_prompts, modulus)
+        engine = EngineSettings.from_config(config, "evaluate")
+        return cls(cfg, overrides, modulus, shards, vocab, target, engine, ev, dataset, prompts)
+
+
 def print_table(results: dict, seeds: list[int], arms: list[str]) -> dict:
     """One row per run, then per arm the mean AL and per-position acceptance, and the paired
     difference; returns the arms' mean AL."""
@@ -474,24 +510,15 @@ def main(argv=None):
     sys.path.insert(0, str(Path(args.speculators_path).resolve()))
     if args.threads:  # two spinning threads on a core another job uses slow down many times
         torch.set_num_threads(args.threads)
-    from eagleflow.draft.acceptance import EvalSettings, load_prompts
-    from eagleflow.draft.launch import train_settings
     from eagleflow.draft.model import DraftConfig
     from eagleflow.draft.vocab import load_vocab
-    from eagleflow.engine.settings import EngineSettings
 
-    config = workflow_config(args.configfile)
-    modulus = config["data"]["heldout_modulus"]
-    cfg, overrides = train_settings(config["draft"], modulus, "cpu")
+    setup = RunSetup.read(args)
+    cfg, overrides, modulus = setup.cfg, setup.overrides, setup.modulus
     if args.max_steps:
         cfg = replace(cfg, max_steps=args.max_steps)
-    shards, vocab_path = finished_run(args)
-    target = str(Path(args.target).resolve())
-    config["target"]["path"] = target
-    engine = EngineSettings.from_config(config, "evaluate")
-    ev = EvalSettings.from_config(config)
-    dataset = args.dataset or config["data"]["path"]
-    prompts = load_prompts(dataset, target, ev.num_prompts, modulus)
+    shards, vocab_path, target = setup.shards, setup.vocab, setup.target
+    engine, ev, prompts, dataset = setup.engine, setup.ev, setup.prompts, setup.dataset
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     print(
