@@ -34,7 +34,7 @@ include: "workflow/rules/evaluate.smk"
 rule all:
     default_target: True
     input:
-        extraction_summary,
+        stored_extraction,
         evaluation_outputs,
 
 

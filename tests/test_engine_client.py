@@ -87,8 +87,8 @@ def test_each_kind_has_its_stage_s_server_module():
     """The modules the clients start (`python -m`) exist, each with its engine."""
     capture = importlib.import_module(CAPTURE_SERVER)
     generate = importlib.import_module(GENERATE_SERVER)
-    assert capture.CaptureEngine.request == "prefill"
-    assert generate.GenerateEngine.request == "generate"
+    assert capture.CaptureEngine.requests == ("prefill", "states")
+    assert generate.GenerateEngine.requests == ("generate",)
 
 
 def test_source_shards_through_one_shared_server_match_their_own_generator(

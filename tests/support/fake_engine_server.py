@@ -18,9 +18,9 @@ def reply(prompt, max_new_tokens: int) -> tuple[str, str, int]:
 
 
 class FakeEngine:
-    request = "generate"
+    requests = ("generate",)
 
-    def handle(self, req: dict, conn) -> list:
+    def handle(self, kind: str, req: dict, conn) -> list:
         for p in req["prompts"]:
             if FAIL in p:
                 raise RuntimeError("the fake engine failed")

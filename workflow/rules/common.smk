@@ -177,6 +177,14 @@ def per_shard(suffix):
     return lambda wildcards: shard_files(wildcards.fp, suffix)
 
 
+def draft_shards(wildcards):
+    """What the draft's rules read: the extracted shards (draft.states: stored), or the token
+    shards whose states the capture server streams (stream, cached)."""
+    if config["draft"]["states"] == "stored":
+        return shard_files(wildcards.fp, ".safetensors")
+    return [f"{R}/shards/tokens/{s}.safetensors" for s in checked_shard_ids(wildcards.fp)]
+
+
 def current_shard_files(suffix):
     """Input function: the same for the current configuration's fingerprint."""
 
@@ -220,6 +228,12 @@ def shard_regeneration_rejects(wildcards):
 # The targets (Snakefile).
 def extraction_summary(wildcards):
     return f"{hidden_dir()}/verify_summary.tsv"
+
+
+def stored_extraction(wildcards):
+    """`all`'s extraction: every shard extracted and verified, unless the draft streams its
+    states (draft.states: stream | cached), which extracts nothing."""
+    return extraction_summary(wildcards) if config["draft"]["states"] == "stored" else []
 
 
 def evaluation_outputs(wildcards):

@@ -9,12 +9,15 @@ from eagleflow.draft.launch import recipe_settings
 
 DRAFT = f"{R}/draft/{{fp}}"
 DRAFT_CFG = config["draft"]
+# draft.states (docs/streaming.md): stored reads the extracted shards; stream and cached read
+# the token shards, and the capture server prefills their states while the trainer runs.
+STORED = DRAFT_CFG["states"] == "stored"
 
 
 rule draft_vocab:
     input:
-        shards=per_shard(".safetensors"),
-        verified=f"{HIDDEN}/verify_summary.tsv",
+        shards=draft_shards,
+        verified=f"{HIDDEN}/verify_summary.tsv" if STORED else [],
     output:
         vocab=f"{DRAFT}/vocab.safetensors",
         summary=f"{DRAFT}/vocab.json",
@@ -34,8 +37,9 @@ rule draft_vocab:
 
 rule train_draft:
     input:
-        shards=per_shard(".safetensors"),
+        shards=draft_shards,
         vocab=f"{DRAFT}/vocab.safetensors",
+        plan=[] if STORED else ancient(f"{HIDDEN}/capture_plan.json"),
     output:
         best=directory(f"{DRAFT}/train/best"),
         summary=f"{DRAFT}/train/summary.json",
@@ -85,7 +89,8 @@ rule train_draft:
 rule export_draft:
     input:
         best=f"{DRAFT}/train/best",
-        shards=per_shard(".safetensors"),
+        shards=draft_shards,
+        plan=[] if STORED else ancient(f"{HIDDEN}/capture_plan.json"),
     output:
         config=f"{DRAFT}/export/config.json",
         weights=f"{DRAFT}/export/model.safetensors",

@@ -1,5 +1,6 @@
 import json
 
+from eagleflow.capture.plan import CapturePlan
 from eagleflow.draft.export import export_draft
 from eagleflow.draft.train import load_trained
 from eagleflow.logs import redirect_to_log
@@ -21,5 +22,9 @@ with redirect_to_log(snakemake.log[0]):
             "simulated_acceptance_length": meta["simulated_acceptance_length"],
             "vocab": meta["vocab"],
         },
+        # draft.states stream | cached: the token shards, and the capture plan's layer ids
+        layer_ids=CapturePlan.load(snakemake.input.plan).layer_ids
+        if snakemake.input.get("plan")
+        else None,
     )
     print(json.dumps(config, indent=1))

@@ -7,16 +7,20 @@ from pathlib import Path
 from eagleflow.draft import launch
 from eagleflow.draft.checkpoint import BEST
 from eagleflow.draft.memory_plan import MemoryPlanError
+from eagleflow.draft.states import StreamSource
 from eagleflow.draft.train import CURVES, METRICS, SUMMARY, VALIDATION
 from eagleflow.draft.vocab import load_vocab
 from eagleflow.logs import UserError, redirect_to_log
+from eagleflow.serve.client import stop_server
 
 # Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.draft.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
 # resources hold `mpi`). The trainer works in params.workdir (not a declared output, so
 # Snakemake never deletes it after a crash) and resumes from its latest checkpoint there; the
 # outputs are copied at the end: `best` (the directory export reads), metrics, validation,
-# curves, summary.
+# curves, summary. With draft.states stream or cached, `shards` are the token shards and the
+# states come from the shared capture server (eagleflow.draft.states), which this job asks
+# to stop once the trainer has finished, freeing its devices for the evaluate job.
 FILES = {"best": BEST, "metrics": METRICS, "validation": VALIDATION, "curves": CURVES}
 FILES["summary"] = SUMMARY
 
@@ -24,7 +28,15 @@ with redirect_to_log(snakemake.log[0]):
     config = snakemake.config
     work = Path(snakemake.params.workdir)
     shards = sorted(snakemake.input.shards)
+    stream = None
     try:
+        if config["draft"]["states"] != "stored":
+            fp = snakemake.wildcards.fp
+            stream = StreamSource.for_job(
+                config,
+                snakemake.input.plan,
+                Path(config["results_dir"]) / "logs" / "extract" / fp / "stream.log",
+            )
         run = launch.Launch.for_job(
             config["draft"],
             config["extract"],
@@ -42,16 +54,19 @@ with redirect_to_log(snakemake.log[0]):
             overrides,
             run,
             log=lambda line: None,  # the trainer logs the plan; a refusal is the sentence
+            stream_layer_ids=stream.plan.layer_ids if stream else None,
         )
-    except (launch.LaunchError, MemoryPlanError) as e:
+    except (launch.LaunchError, MemoryPlanError, ValueError) as e:
         raise UserError(str(e)) from None
     args = launch.trainer_args(
-        shards, snakemake.params.target, snakemake.input.vocab, work, cfg, overrides
+        shards, snakemake.params.target, snakemake.input.vocab, work, cfg, overrides, stream
     )
     cmd = launch.command(run, args)
     launcher = cmd.argv[: len(cmd.argv) - len(args)]
     print(f"{run.world_size} rank(s): {' '.join(launcher)} <trainer arguments>", flush=True)
     proc = subprocess.run(cmd.argv, env={**os.environ, **cmd.env})
+    if stream is not None and not proc.returncode:
+        stop_server(stream.server)
     if proc.returncode:
         sys.exit(
             f"the trainer exited with status {proc.returncode} (its ranks' output is above); "

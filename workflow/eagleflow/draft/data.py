@@ -97,6 +97,12 @@ def read_layout(paths, num_hidden_layers: int) -> ShardLayout:
             layer_ids = ids
         elif ids != layer_ids:
             raise ValueError(f"{path}: layer ids {ids} differ from {paths[0]}'s {layer_ids}")
+    return layout_of(paths, layer_ids, num_hidden_layers)
+
+
+def layout_of(paths, layer_ids, num_hidden_layers: int) -> ShardLayout:
+    """The layout of states of `layer_ids` (stored, or streamed by a capture plan's ids)."""
+    layer_ids = [int(i) for i in layer_ids]
     if num_hidden_layers not in layer_ids:
         raise ValueError(
             f"the shards hold layer ids {layer_ids}, without the final pre-norm state "
@@ -105,7 +111,7 @@ def read_layout(paths, num_hidden_layers: int) -> ShardLayout:
     aux = [i for i in layer_ids if i != num_hidden_layers]
     if not aux:
         raise ValueError(f"the shards hold no aux layer besides the final state: {layer_ids}")
-    return ShardLayout(paths, layer_ids, num_hidden_layers, aux)
+    return ShardLayout([str(p) for p in paths], layer_ids, num_hidden_layers, aux)
 
 
 def shard_paths(paths) -> list[str]:
@@ -406,11 +412,16 @@ def build_batch(
 class PackDataset(Dataset):
     """Item = a pack (a tuple of sample indices of `table`) -> `Batch` of slice `part` of
     `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
-    every rank runs the same forwards."""
+    every rank runs the same forwards. `served`: the states of `draft.states: stream | cached`
+    (`eagleflow.draft.states.ServedStates`, the layout's paths then the token shards); None:
+    the stored shards."""
 
-    def __init__(self, layout, table: SampleTable, steps: int, part=0, parts=1, in_vocab=None):
+    def __init__(
+        self, layout, table: SampleTable, steps: int, part=0, parts=1, in_vocab=None, served=None
+    ):
         self.layout, self.table, self.steps = layout, table, steps
         self.part, self.parts, self.in_vocab = part, parts, in_vocab
+        self.served = served
         self._files: dict[int, object] = {}  # open handles of this process (each worker's own)
 
     def _file(self, s: int):
@@ -447,9 +458,11 @@ class PackDataset(Dataset):
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
         a, _, e = slice_rows(sum(lengths), self.steps, self.part, self.parts)
         # each sample's rows within the slice's [a, e)
-        parts = [
-            self.read(i, max(a - s, 0), min(e - s, n)) for i, s, n in zip(pack, starts, lengths)
-        ]
+        ranges = [(max(a - s, 0), min(e - s, n)) for s, n in zip(starts, lengths)]
+        if self.served is not None:
+            parts = self.served.read_pack(self.table, pack, ranges)
+        else:
+            parts = [self.read(i, lo, hi) for i, (lo, hi) in zip(pack, ranges)]
         return build_batch(
             torch.cat([p[0] for p in parts]).long(),
             torch.cat([p[1] for p in parts]).bool(),
@@ -464,9 +477,16 @@ class PackDataset(Dataset):
         )
 
     def padding(self) -> Batch:
-        i = int(self.table.train[0] if len(self.table.train) else self.table.heldout[0])
-        ids, mask, hidden, scales = self.read(i, 0, 1)
         a, _, e = slice_rows(1, self.steps, self.part, self.parts)
+        # Zero states, the same in every draft.states mode: nothing is trained on them, and
+        # a streamed padding pack prefills nothing.
+        if self.served is not None:
+            ids, mask, hidden, scales = self.served.padding(self.table, e)
+        else:
+            i = int(self.table.train[0] if len(self.table.train) else self.table.heldout[0])
+            ids, mask, hidden, scales = self.read(i, 0, 1)
+            hidden = torch.zeros_like(hidden)
+            scales = torch.zeros_like(scales) if scales is not None else None
         batch = build_batch(
             ids[:1].long(),
             mask[:1].bool(),

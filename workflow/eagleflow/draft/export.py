@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagleflow.draft.data import read_layout
+from eagleflow.draft.data import layout_of, read_layout
 from eagleflow.draft.model import Eagle3Draft
 from eagleflow.target.head import read_target_config
 
@@ -120,10 +120,17 @@ def export_draft(
     speculative_tokens: int = 3,
     dtype: str = "bfloat16",
     provenance: dict | None = None,
+    layer_ids=None,
 ) -> dict:
-    """Write the directory (atomically: built beside it, then renamed) and return its config."""
+    """Write the directory (atomically: built beside it, then renamed) and return its config.
+    `layer_ids`: the capture plan's, when the draft was trained on streamed states (`shards`
+    are then token shards); else the shards' own."""
     target_config = read_target_config(target_dir)
-    layout = read_layout(shards, int(target_config["num_hidden_layers"]))
+    num_layers = int(target_config["num_hidden_layers"])
+    if layer_ids is not None:
+        layout = layout_of(shards, layer_ids, num_layers)
+    else:
+        layout = read_layout(shards, num_layers)
     if list(trained_aux_ids) != layout.aux_ids:
         raise ValueError(
             f"the checkpoint was trained on aux ids {list(trained_aux_ids)}, "

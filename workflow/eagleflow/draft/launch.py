@@ -56,6 +56,9 @@ class Launch:
     device: str  # cuda or cpu
     srun: bool = False  # inside a SLURM allocation: one srun task per rank
     cpus_per_rank: int = 1  # srun's --cpus-per-task, and each rank's torch threads
+    # CUDA_VISIBLE_DEVICES of the ranks on this node: the devices a streaming run's engine
+    # server does not take (draft.stream_engine_devices); None: every device.
+    devices: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -69,7 +72,7 @@ class Launch:
         job = TrainJob.from_config(draft, extract)
         if srun:
             return cls(job.nodes, job.processes_per_node, job.device, True, job.cpus_per_rank)
-        visible = None
+        visible, devices = None, None
         if job.device == "cuda":
             import torch
 
@@ -79,8 +82,11 @@ class Launch:
                     "train_draft would train on CUDA (draft.device, where auto follows "
                     "extract.device) but this machine has no GPU: set draft.device to cpu"
                 )
+            devices = trainer_devices(draft, visible)
+            if devices is not None:
+                visible = len(devices.split(","))
         per_node = processes_per_node(draft, extract, visible)
-        return cls(job.nodes, per_node, job.device, False, max(1, threads // per_node))
+        return cls(job.nodes, per_node, job.device, False, max(1, threads // per_node), devices)
 
     def check(self, batch_packs: int, sequence_parallel: int = 1) -> None:
         """One sentence naming the key, for a launch that cannot work."""
@@ -106,12 +112,50 @@ class Launch:
             )
 
 
-def preflight(shards, target, vocab, cfg: TrainConfig, overrides: dict, launch: Launch, log):
+def trainer_devices(draft: dict, visible: int) -> str | None:
+    """The ranks' devices when a streaming run's engine server takes some of this node's
+    (`draft.stream_engine_devices`): the others, as CUDA_VISIBLE_DEVICES; None otherwise."""
+    engine = draft.get("stream_engine_devices")
+    if draft.get("states", "stored") == "stored" or engine is None:
+        return None
+    try:
+        taken = {int(d) for d in str(engine).split(",")}
+    except ValueError:
+        raise LaunchError(
+            f'draft.stream_engine_devices = {engine!r}: CUDA device indices, e.g. "0,1,2,3"'
+        ) from None
+    rest = [d for d in range(visible) if d not in taken]
+    if not rest or not taken <= set(range(visible)):
+        raise LaunchError(
+            f"draft.stream_engine_devices = {engine!r} on a node with {visible} GPUs leaves "
+            "the trainer none (or names a device it lacks): give the engine fewer devices"
+        )
+    return ",".join(map(str, rest))
+
+
+def preflight(
+    shards,
+    target,
+    vocab,
+    cfg: TrainConfig,
+    overrides: dict,
+    launch: Launch,
+    log,
+    stream_layer_ids=None,
+):
     """Before any rank starts: `Launch.check`, then the trainer's own memory check
     (`eagleflow.draft.train.check_memory`) of the draft at the target's shape and the
     longest pack, at this launch's world size, on this node's first device (left to the
-    ranks where the launcher sees no GPU). Reads the shards' offsets only."""
+    ranks where the launcher sees no GPU). Reads the shards' offsets only.
+    `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
+    then the token shards)."""
     launch.check(cfg.batch_packs, cfg.sequence_parallel)
+    if stream_layer_ids is not None and cfg.sequence_parallel > 1:
+        raise LaunchError(
+            f"draft.sequence_parallel = {cfg.sequence_parallel} with streamed states: every "
+            "rank of a pack would prefill it again; set draft.states to stored (or "
+            "draft.sequence_parallel to 1)"
+        )
     import torch
 
     if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
@@ -119,13 +163,17 @@ def preflight(shards, target, vocab, cfg: TrainConfig, overrides: dict, launch: 
         return None
 
     from eagleflow.data.heldout import excluder
-    from eagleflow.draft.data import read_layout, sample_table, shard_paths
+    from eagleflow.draft.data import layout_of, read_layout, sample_table, shard_paths
     from eagleflow.draft.model import DraftConfig
     from eagleflow.draft.train import check_memory
     from eagleflow.target.head import read_target_config
 
     config = read_target_config(target)
-    layout = read_layout(shard_paths(shards), int(config["num_hidden_layers"]))
+    num_layers = int(config["num_hidden_layers"])
+    if stream_layer_ids is not None:
+        layout = layout_of(shard_paths(shards), stream_layer_ids, num_layers)
+    else:
+        layout = read_layout(shard_paths(shards), num_layers)
     table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
     draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
     device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
@@ -154,9 +202,12 @@ def recipe_settings(draft: dict) -> dict:
     return {k: draft[k] for k in sorted(names) if k in draft}
 
 
-def trainer_args(shards, target, vocab, out, cfg: TrainConfig, overrides: dict) -> list[str]:
+def trainer_args(
+    shards, target, vocab, out, cfg: TrainConfig, overrides: dict, stream=None
+) -> list[str]:
     """The trainer's command-line arguments (`eagleflow.draft.train.main`); the settings go
-    into `out`/train_config.json, which the log and a rerun by hand can read."""
+    into `out`/train_config.json, which the log and a rerun by hand can read, and a
+    `stream` source (`eagleflow.draft.states.StreamSource`) into `out`/stream.json."""
     Path(out).mkdir(parents=True, exist_ok=True)
     config = Path(out) / CONFIG_FILE
     config.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
@@ -173,7 +224,13 @@ def trainer_args(shards, target, vocab, out, cfg: TrainConfig, overrides: dict) 
         str(config),
         "--draft",
         json.dumps(overrides),
-    ]
+    ] + (["--stream", stream_file(out, stream)] if stream is not None else [])
+
+
+def stream_file(out, stream) -> str:
+    path = Path(out) / "stream.json"
+    stream.save(path)
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -191,6 +248,8 @@ def free_port() -> int:
 def command(launch: Launch, args: list[str], python: str = sys.executable, port=None) -> Command:
     """The command that starts every rank of `launch` with the trainer's `args`."""
     env = {"OMP_NUM_THREADS": str(launch.cpus_per_rank)}
+    if launch.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = launch.devices
     if launch.device == "cpu":  # idle OpenMP threads sleep: spinning ones starve a shared CPU
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if launch.world_size == 1:

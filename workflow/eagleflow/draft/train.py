@@ -61,6 +61,7 @@ from eagleflow.draft.data import (
     PackPlan,
     RankSampler,
     data_loader,
+    layout_of,
     read_layout,
     sample_table,
     shard_paths,
@@ -69,6 +70,7 @@ from eagleflow.draft.memory_plan import Workload, check_plan, device_memory, pla
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.draft.sequence_parallel import split_groups
 from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
+from eagleflow.draft.states import ServedStates, StreamSource
 from eagleflow.draft.vocab import DraftVocab
 from eagleflow.target.head import (
     EMBED,
@@ -571,10 +573,16 @@ class TrainData:
     epoch_starts: list[int]  # first step of each epoch, the epochs' total last
     total: int  # steps this run trains to (epochs, or max_steps when set)
     eval_table: object  # the table whose held-out samples are validated on
+    served: object = None  # ServedStates of draft.states stream | cached; None: stored
 
     @classmethod
-    def read(cls, shards, num_hidden_layers: int, cfg: TrainConfig, log) -> TrainData:
-        layout = read_layout(shard_paths(shards), num_hidden_layers)
+    def read(cls, shards, num_hidden_layers: int, cfg: TrainConfig, log, stream=None) -> TrainData:
+        """`shards`: the extracted shards, or with `stream` (a StreamSource) the token shards,
+        whose states the capture server streams."""
+        if stream is None:
+            layout = read_layout(shard_paths(shards), num_hidden_layers)
+        else:
+            layout = layout_of(shard_paths(shards), stream.plan.layer_ids, num_hidden_layers)
         table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
         for c in table.cut:
             log(
@@ -597,7 +605,8 @@ class TrainData:
             f"{cfg.max_tokens} tokens; {cfg.epochs} epochs = {starts[-1]} steps of "
             f"{cfg.batch_packs} packs; training {total}"
         )
-        return cls(layout, table, plan, starts, total, eval_table)
+        served = ServedStates(stream, layout.paths) if stream is not None else None
+        return cls(layout, table, plan, starts, total, eval_table, served)
 
     def epoch_of(self, step: int) -> int:
         return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
@@ -610,8 +619,9 @@ class TrainData:
         parts = cfg.sequence_parallel
         part, dp_rank, dp_world = rank % parts, rank // parts, world // parts
         steps, oov = cfg.ttt_steps, in_vocab if cfg.mask_oov else None
-        dataset = PackDataset(self.layout, self.table, steps, part, parts, in_vocab=oov)
-        held_dataset = PackDataset(self.layout, self.table, steps, part, parts)
+        served = self.served
+        dataset = PackDataset(self.layout, self.table, steps, part, parts, oov, served)
+        held_dataset = PackDataset(self.layout, self.table, steps, part, parts, None, served)
         sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
         workers = (cfg.num_workers, cfg.prefetch_factor, pin)
         held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
@@ -630,9 +640,11 @@ def train(
     cfg: TrainConfig,
     draft_overrides: dict | None = None,
     stop_after: int | None = None,
+    stream: StreamSource | None = None,
 ) -> dict:
     """Train (or resume) and return the summary; `stop_after` ends early as a crash would
-    (no checkpoint, no summary)."""
+    (no checkpoint, no summary). `stream`: the states come from the capture server (and its
+    cache), `shards` are the token shards (`eagleflow.draft.states`)."""
     rank, world, device = init_distributed(cfg)
     if world % cfg.sequence_parallel:
         raise ValueError(
@@ -649,7 +661,7 @@ def train(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     num_layers = int(read_target_config(target_dir)["num_hidden_layers"])
-    data = TrainData.read(shards, num_layers, cfg, log)
+    data = TrainData.read(shards, num_layers, cfg, log, stream)
     total, warmup = data.total, round(cfg.warmup_ratio * data.total)
 
     n_aux, overrides = len(data.layout.aux_ids), draft_overrides or {}
@@ -674,6 +686,12 @@ def train(
     )
     if split is not None:
         mode += f", sequence parallel over {split.parts} ranks"
+    if data.served is not None and start < end:
+        if data.served.all_cached(data.table):
+            log(f"draft.states {stream.mode}: every sample is cached, no engine needed")
+        else:  # the model loads here, not in the first step's data wait
+            engine = data.served.start_server(log if rank == 0 else lambda m: None)
+            log(f"draft.states {stream.mode}: states from the capture server: {engine}")
     log(f"{mode} on {world} rank(s), {sampler.micro_steps} pack(s) per rank and step")
 
     def keep_if_best(step):
@@ -851,6 +869,11 @@ def main(argv=None):
     p.add_argument(
         "--stop-after", type=int, default=None, help="end after this step, as a crash would"
     )
+    p.add_argument(
+        "--stream",
+        default=None,
+        help="a StreamSource JSON file: states from the capture server (--shards: token shards)",
+    )
     a = p.parse_args(argv)
     config = a.config if a.config.lstrip().startswith("{") else Path(a.config).read_text()
     summary = train(
@@ -861,6 +884,7 @@ def main(argv=None):
         TrainConfig(**json.loads(config)),
         json.loads(a.draft),
         stop_after=a.stop_after,
+        stream=StreamSource.load(a.stream) if a.stream else None,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary, default=str))

@@ -1,7 +1,9 @@
 """The extract jobs' engine server (`python -m eagleflow.extract.capture_server SPEC`, started
 by the first extract job's `EngineClient`; docs/engine-reuse.md): the target with the capture
 hooks for the spec's plan, serving `prefill` requests with the same `run_chunks` loop as a
-per-shard engine. The loop around it is `eagleflow.serve.server.serve`."""
+per-shard engine, and `states` requests (a training job's samples, streamed back without
+touching disk: `eagleflow.extract.stream`). The loop around it is
+`eagleflow.serve.server.serve`."""
 
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ from eagleflow.extract.shard import (
     start_capture_engine,
     stop_capture_engine,
 )
+from eagleflow.extract.stream import StreamCapture
 from eagleflow.serve.client import ServerSpec
 from eagleflow.serve.server import ToClient, serve, spec_from_command_line
 
 
 class CaptureEngine:
     """An extract jobs' server: the target with the capture hooks for the spec's plan; serves
-    `prefill` requests with the same `run_chunks` loop as a per-shard engine."""
+    `prefill` requests with the same `run_chunks` loop as a per-shard engine, and `states`
+    requests of streaming training jobs."""
 
-    request = "prefill"
+    requests = ("prefill", "states")
 
     def __init__(self, spec: ServerSpec):
         self.spec = spec
@@ -35,9 +39,16 @@ class CaptureEngine:
         )
         for line in self.layout:
             print(line, flush=True)
+        self.stream = None
 
-    def handle(self, req: dict, conn) -> dict:
+    def handle(self, kind: str, req: dict, conn) -> dict:
         spec = self.spec
+        if kind == "states":
+            if self.stream is None:
+                self.stream = StreamCapture(
+                    self.llm, spec.plan, spec.settings.dtype, req["scratch"], spec.key
+                )
+            return self.stream.handle(req)
         shard = read_token_shard(req["tokens"])
         # The job's own chunks: same ranges, same markers (one per capturing pipeline stage).
         chunks = shard_chunks(shard, spec.plan, Path(req["hidden"]), req["chunk_tokens"])

@@ -17,12 +17,12 @@ class GenerateEngine:
     """The regenerate_shard jobs' server: answers each round with the same `generate_replies`
     call as a job's own engine (eagleflow.regenerate.replies)."""
 
-    request = "generate"
+    requests = ("generate",)
 
     def __init__(self, spec: ServerSpec):
         self.llm = start_generate_engine(spec.settings)
 
-    def handle(self, req: dict, conn) -> list:
+    def handle(self, kind: str, req: dict, conn) -> list:
         t0 = time.perf_counter()
         replies = generate_replies(self.llm, req["prompts"], req["max_new_tokens"])
         print(

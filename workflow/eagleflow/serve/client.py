@@ -19,6 +19,16 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
   (`EngineClient.generate`) and gets the replies, which the server computes with the same
   `generate_replies` call a per-job engine makes.
 
+- `states` (a streaming training job, `draft.states: stream | cached`, docs/streaming.md): a
+  capture server like the extract jobs', asked for the captured states of one pack's samples
+  at a time (`EngineClient.states`, `eagleflow.extract.stream`); each DataLoader worker of
+  each rank connects for one request and leaves, so every rank and worker takes its turn.
+
+A server of a spec with `tcp` listens on a TCP port of its host instead of the unix socket,
+and writes `<key>.address` (host, port) next to its key file: a job on another node (another
+SLURM allocation: the training job of a streaming run) finds it there and connects with the
+same authkey (docs/streaming.md#transport).
+
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
 failed request (a fresh server starts clean). A client whose server dies gets EOF and fails
@@ -39,7 +49,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagleflow.capture.plan import CapturePlan, Strategy
@@ -103,6 +113,11 @@ class ServerSpec:
     idle_seconds: float
     watch_pid: int | None = None
     kind: str = "capture"
+    # Listen on TCP (reachable from other nodes) instead of a unix socket of this host.
+    tcp: bool = False
+    # CUDA_VISIBLE_DEVICES of the server's engine (a streaming run shares its node with the
+    # trainer's ranks); None: the starting job's.
+    devices: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -112,20 +127,58 @@ class ServerSpec:
 
     @property
     def key(self) -> str:
-        """Same kind, settings, plan, results directory, host and allocation: same server."""
+        """Same kind, settings, plan, results directory, host and allocation: same server. A
+        TCP server is one per results directory: jobs of other hosts and allocations find it
+        by its address file."""
         ident = {
             "kind": self.kind,
             "settings": asdict(self.settings),
             "plan": self.plan.to_json() if self.plan else None,
             "dir": str(Path(self.engine_dir).resolve()),
-            "host": socket.gethostname(),
-            "allocation": os.environ.get("SLURM_JOB_ID", ""),
         }
+        if self.tcp:
+            ident["tcp"] = True
+        else:
+            ident["host"] = socket.gethostname()
+            ident["allocation"] = os.environ.get("SLURM_JOB_ID", "")
+        if self.devices is not None:
+            ident["devices"] = self.devices
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def address(self) -> str:
-        return f"\0eagleflow-engine-{self.key}"  # Linux abstract namespace: per host
+        """The unix socket (Linux abstract namespace: per host); a TCP server's address is in
+        its `.address` file (`tcp_address`)."""
+        return f"\0eagleflow-engine-{self.key}"
+
+    def tcp_address(self) -> tuple[str, int] | None:
+        """(host, port) a TCP server wrote when it started listening; None before."""
+        try:
+            d = json.loads(self.file(".address").read_text())
+            return d["host"], int(d["port"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def listen(self, authkey: bytes):
+        """The server's listener: the unix socket, or a TCP port of this host (any free one),
+        published in the `.address` file."""
+        if not self.tcp:
+            return Listener(self.address, family="AF_UNIX", authkey=authkey)
+        listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+        host = os.environ.get("EAGLEFLOW_SERVER_HOST") or socket.gethostname()
+        tmp = self.file(f".address.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"host": host, "port": listener.address[1]}))
+        os.replace(tmp, self.file(".address"))
+        return listener
+
+    def connect(self, authkey: bytes):
+        """A connection to the server (its listener accepts while it loads)."""
+        if not self.tcp:
+            return Client(self.address, family="AF_UNIX", authkey=authkey)
+        address = self.tcp_address()
+        if address is None:
+            raise ConnectionRefusedError(f"no {self.file('.address')} yet")
+        return Client(address, family="AF_INET", authkey=authkey)
 
     @property
     def log_path(self) -> Path:
@@ -148,7 +201,8 @@ class ServerSpec:
             "key": self.key,
             "kind": self.kind,
             "pid": pid,
-            "address": self.address,
+            "address": list(self.tcp_address() or ()) if self.tcp else self.address,
+            "family": "AF_INET" if self.tcp else "AF_UNIX",
             "keyfile": str(Path(self.file(".key")).resolve()),
             "run": list(self.run),
             "log": str(self.log_path),
@@ -163,6 +217,8 @@ class ServerSpec:
             "idle_seconds": self.idle_seconds,
             "watch_pid": self.watch_pid,
             "kind": self.kind,
+            "tcp": self.tcp,
+            "devices": self.devices,
         }
 
     @classmethod
@@ -175,6 +231,8 @@ class ServerSpec:
             float(d["idle_seconds"]),
             d["watch_pid"],
             d.get("kind", "capture"),
+            d.get("tcp", False),
+            d.get("devices"),
         )
 
 
@@ -243,7 +301,9 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
             continue
         try:
             authkey = bytes.fromhex(Path(entry["keyfile"]).read_text())
-            conn = Client(entry["address"], family="AF_UNIX", authkey=authkey)
+            family = entry.get("family", "AF_UNIX")
+            address = tuple(entry["address"]) if family == "AF_INET" else entry["address"]
+            conn = Client(address, family=family, authkey=authkey)
             conn.recv()  # hello
             conn.send(("release",))
             conn.recv()
@@ -262,6 +322,22 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
             + ("stopped" if not alive(pid) else f"did not stop in {RELEASE_TIMEOUT_S} s")
             + " before this job loads its engine"
         )
+
+
+def stop_server(spec: ServerSpec, log=print) -> bool:
+    """Ask the server of `spec`, if one runs, to stop once no job is connected to it (a
+    streaming training job that has finished with it frees its devices for the next job).
+    Returns whether one was asked."""
+    try:
+        conn = spec.connect(bytes.fromhex(spec.file(".key").read_text()))
+        pid = conn.recv()[1]  # hello
+        conn.send(("release",))
+        conn.recv()
+        conn.close()
+    except (OSError, EOFError, ValueError):
+        return False
+    log(f"engine: asked the {spec.kind} engine server pid {pid} to stop")
+    return True
 
 
 class EngineClient:
@@ -300,7 +376,7 @@ class EngineClient:
     def _try_connect(self) -> bool:
         try:
             authkey = bytes.fromhex(self.spec.file(".key").read_text())
-            conn = Client(self.spec.address, family="AF_UNIX", authkey=authkey)
+            conn = self.spec.connect(authkey)
             # A server still loading has accepted the connection; its hello comes when loaded.
             if not conn.poll(READY_TIMEOUT_S):
                 conn.close()
@@ -335,6 +411,10 @@ class EngineClient:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         release_idle_servers(spec.run, keep=spec.key, log=self.log)
         self.log(f"engine: starting a server, log {spec.log_path}")
+        spec.file(".address").unlink(missing_ok=True)
+        env = dict(os.environ)
+        if spec.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = spec.devices
         with open(spec.log_path, "a") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", self.server_module, str(spec.file(".spec.json"))],
@@ -343,6 +423,7 @@ class EngineClient:
                 stderr=out,
                 start_new_session=True,  # outlives this job; never gets the job's signals
                 cwd=os.getcwd(),
+                env=env,
             )
         deadline = time.time() + READY_TIMEOUT_S
         while not self._try_connect():
@@ -394,6 +475,10 @@ class EngineClient:
             "chunk_tokens": chunk_tokens,
         }
         return self._request("prefill", request, "prefilling this shard", progress)
+
+    def states(self, request: dict) -> dict:
+        """One pack's captured states (`eagleflow.extract.stream.StreamCapture.handle`)."""
+        return self._request("states", request, "capturing a training pack's states")
 
     def generate(self, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
         """One round: the server's `generate_replies` over these prompt id lists, (text,

@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 import traceback
-from multiprocessing.connection import Listener
 from pathlib import Path
 
 from eagleflow.serve.client import LOADED, ServerSpec, alive
@@ -41,8 +40,8 @@ class ToClient:
 def serve(spec: ServerSpec, build) -> None:
     """Load the engine and serve it to one client at a time until idle, the Snakemake run is
     gone, or a request fails; never returns. The engine comes from `build(spec)`: its
-    `request` (the one request kind it serves), `handle(request, conn) -> answer` (progress
-    lines may go to `ToClient(conn)`) and `stop()`.
+    `requests` (the request kinds it serves), `handle(kind, request, conn) -> answer`
+    (progress lines may go to `ToClient(conn)`) and `stop()`.
 
     The address is bound and the watchdog runs before the load: a second server for the same
     key cannot start while this one loads (a client that connects meanwhile waits for the
@@ -53,7 +52,7 @@ def serve(spec: ServerSpec, build) -> None:
         flush=True,
     )
     authkey = bytes.fromhex(spec.file(".key").read_text())
-    listener = Listener(spec.address, family="AF_UNIX", authkey=authkey)
+    listener = spec.listen(authkey)
     state = {"busy": True, "last": time.monotonic(), "engine": None}  # busy: loading
     lock = threading.Lock()
 
@@ -61,6 +60,8 @@ def serve(spec: ServerSpec, build) -> None:
         print(f"eagleflow engine server: {why}; stopping", flush=True)
         try:
             spec.registry_file.unlink(missing_ok=True)
+            if spec.tcp:
+                spec.file(".address").unlink(missing_ok=True)
             if state["engine"] is not None:
                 state["engine"].stop()
             else:  # mid-load: the engine's processes are this server's session; end them all
@@ -107,11 +108,11 @@ def serve(spec: ServerSpec, build) -> None:
                 if msg[0] == "release":  # only ever the first message: no job is connected
                     conn.send(("released",))
                     shut_down("asked to free the devices for another engine of this run")
-                if msg[0] != engine.request:
+                if msg[0] not in engine.requests:
                     conn.send(("error", f"a {spec.kind} engine server serves no {msg[0]!r}"))
                     continue
                 try:
-                    answer = engine.handle(msg[1], conn)
+                    answer = engine.handle(msg[0], msg[1], conn)
                 except Exception:
                     tb = traceback.format_exc()
                     print(tb, flush=True)
