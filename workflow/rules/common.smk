@@ -182,7 +182,9 @@ def draft_shards(wildcards):
     shards whose states the capture server streams (stream, cached)."""
     if config["draft"]["states"] == "stored":
         return shard_files(wildcards.fp, ".safetensors")
-    return [f"{R}/shards/tokens/{s}.safetensors" for s in checked_shard_ids(wildcards.fp)]
+    return [
+        f"{R}/shards/tokens/{s}.safetensors" for s in checked_shard_ids(wildcards.fp)
+    ]
 
 
 def current_shard_files(suffix):
@@ -233,7 +235,9 @@ def extraction_summary(wildcards):
 def stored_extraction(wildcards):
     """`all`'s extraction: every shard extracted and verified, unless the draft streams its
     states (draft.states: stream | cached), which extracts nothing."""
-    return extraction_summary(wildcards) if config["draft"]["states"] == "stored" else []
+    return (
+        extraction_summary(wildcards) if config["draft"]["states"] == "stored" else []
+    )
 
 
 def evaluation_outputs(wildcards):
