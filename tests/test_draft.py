@@ -458,6 +458,83 @@ def test_two_ranks_train_through_the_rule_as_one_rank_does(extracted_workdir, on
     assert al[1] == pytest.approx(al[0], abs=0.1)
 
 
+@pytest.mark.vllm
+def test_stream_run_writes_no_state_and_trains_the_stored_batches(
+    extracted_workdir, one_rank, tmp_path
+):
+    """`draft.states: stream` (docs/streaming.md) on a copy of the extracted small default
+    whose extracted shards are deleted: `all` extracts nothing, the trainer gets every pack's
+    states from the capture engine server, no byte of states is written, and it takes the
+    stored run's steps with its losses (the same packs; the states within the engine's
+    run-to-run noise: on this CPU, bit-identical). The served packs themselves are compared
+    with the stored ones, then the server started for that is stopped."""
+    import re
+    from dataclasses import replace
+
+    from eagleflow.draft.data import PackPlan, layout_of
+    from eagleflow.draft.states import ServedStates, StreamSource
+    from eagleflow.serve.client import stop_server
+    from support.workflow_runner import (
+        SMALL,
+        copy_workdir,
+        hidden_dir,
+        job_counts,
+        merged,
+        snakemake,
+    )
+
+    work = tmp_path / "run"
+    copy_workdir(extracted_workdir, work)
+    hidden = hidden_dir(work)
+    for path in hidden.iterdir():  # every extracted shard, record, report and the summary
+        if re.fullmatch(r"[0-9a-f]{20}\..*", path.name) or path.name == "verify_summary.tsv":
+            path.unlink()
+    override = {"draft": {"states": "stream"}, "evaluate": {"paths": ["vllm_eagle3"]}}
+    config = merged(merged(SMALL, DRAFT_RUN), override)
+    proc = snakemake(work, config=config)
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert "extract_shard" not in counts and counts.get("train_draft") == 1, counts
+    states = [p for p in (work / "results").rglob("*.safetensors") if hidden in p.parents]
+    assert states == [] and not (hidden / "cache").exists()
+    out, one = draft_outputs(work), draft_outputs(one_rank[0])
+    assert "states from the capture server" in out["log"]
+    assert out["steps"] == one["steps"]
+    torch.testing.assert_close(out["losses"], one["losses"], rtol=1e-3, atol=0)
+    for key in ("tokens_trained", "samples_trained"):
+        assert out["summary"][key] == one["summary"][key], key
+    al = [r["acceptance"]["results"]["vllm_eagle3"]["acceptance_length"] for r in (one, out)]
+    print(f"eagle3 acceptance length: stored {al[0]:.3f}, stream {al[1]:.3f}")
+    assert al[1] == pytest.approx(al[0], abs=0.25)
+
+    # The packs the server streams are the stored packs.
+    source = StreamSource.load(out["train"].parent / "train.work" / "stream.json")
+    source = replace(source, server=replace(source.server, watch_pid=os.getpid()))
+    stored = sorted(str(p) for p in hidden_dir(extracted_workdir).glob("*.safetensors"))
+    tokens = sorted(str(p) for p in (work / "results" / "shards" / "tokens").glob("*.safetensors"))
+    num_layers = source.plan.num_hidden_layers
+    layout = read_layout(stored, num_layers)
+    table = sample_table(layout.paths)
+    served_layout = layout_of(tokens, source.plan.layer_ids, num_layers)
+    cwd = os.getcwd()
+    os.chdir(work)  # the spec's paths are the run's, relative to its directory
+    try:
+        served = PackDataset(
+            served_layout,
+            sample_table(tokens),
+            3,
+            served=ServedStates(source, served_layout.paths),
+        )
+        packs = PackPlan(table, 256, 2, 0)
+        for p in range(3):
+            a, b = PackDataset(layout, table, 3)[packs.pack(0, p)], served[packs.pack(0, p)]
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.valid, b.valid)
+            for x, y in zip(a.values(), b.values()):
+                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+    finally:
+        stop_server(source.server)
+        os.chdir(cwd)
+
+
 def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
     from eagleflow.draft.acceptance import greedy_agreement
 

@@ -236,14 +236,16 @@ def test_a_dead_server_fails_the_read_naming_it_and_its_log_then_a_new_one_serve
 ):
     stored, streamed, source = datasets(tmp_path)
     packs = packs_of(stored)
-    monkeypatch.setenv("EAGLEFLOW_FAKE_DIE_AFTER", "2")  # the server dies on its 3rd request
+    die = tmp_path / "die-after"
+    die.write_text("2")  # the server dies on its 3rd request
+    monkeypatch.setenv("EAGLEFLOW_FAKE_DIE_FILE", str(die))
     streamed[packs[0]], streamed[packs[1]]
     with pytest.raises(RuntimeError) as e:
         streamed[packs[2]]
     message = str(e.value)
     assert "engine server (pid" in message and "died while capturing a training pack" in message
     assert str(source.server.log_path) in message
-    monkeypatch.delenv("EAGLEFLOW_FAKE_DIE_AFTER")
+    die.unlink()
     assert_same_batch(stored[packs[2]], streamed[packs[2]])  # a new server
     assert source.server.log_path.read_text().count("model loaded") == 2
 
@@ -361,6 +363,8 @@ def test_trainer_streams_the_stored_run_and_resumes_at_the_same_data_position(tm
         for d in ("stored-run", "stream-run", "killed")
     ]
     assert losses[0] == losses[1] == losses[2]
+    # the rerun reused the server the killed run had started: one model load in all
+    assert source.server.log_path.read_text().count("model loaded") == 1
 
 
 def test_cache_budget_counts_allocated_blocks(tmp_path):
@@ -378,3 +382,76 @@ def test_cache_budget_counts_allocated_blocks(tmp_path):
         for j in cache.cached(shard.shard_id):
             got, _ = cache.read(shard, j)
             assert torch.equal(got, rows[j][1])
+
+
+def test_a_tcp_server_started_inside_slurm_is_a_job_of_its_own(tmp_path, server_env, monkeypatch):
+    """Inside an allocation (SLURM_JOB_ID), the trainer-side reader of a TCP source submits the
+    server with `sbatch` (the engine's nodes and GPUs, its log) and waits for its address; here
+    `sbatch` and `squeue` are stand-ins that start the job's command on this host."""
+    from dataclasses import replace
+
+    from eagleflow.serve.client import server_job_command
+
+    gpu = replace(
+        source_for(tmp_path, tcp=True).server,
+        settings=EngineSettings(
+            "t", device="cuda", tensor_parallel_size=8, pipeline_parallel_size=2, nodes=2
+        ),
+    )
+    cmd = server_job_command(gpu, "eagleflow.extract.capture_server", python="/py")
+    assert cmd[:2] == ["sbatch", "--parsable"]
+    assert {"--nodes=2", "--gres=gpu:8", "--exclusive"} <= set(cmd)
+    assert f"--output={gpu.log_path.resolve()}" in cmd
+    spec_file = gpu.file(".spec.json").resolve()
+    assert cmd[-2:] == ["--wrap", f"/py -m eagleflow.extract.capture_server {spec_file}"]
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/bash\n"
+        'for a in "$@"; do case $a in --output=*) out=${a#--output=};; esac; done\n'
+        "wrap=${@: -1}\n"
+        'EAGLEFLOW_SERVER_HOST=127.0.0.1 setsid bash -c "$wrap" >>"$out" 2>&1 </dev/null &\n'
+        "echo 4242\n"
+    )
+    (bin_dir / "squeue").write_text("#!/bin/bash\necho RUNNING\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    stored, _, _ = datasets(tmp_path)
+    source = source_for(tmp_path, tcp=True)
+    token_paths = sorted(str(p) for p in (tmp_path / "tokens").glob("*.safetensors"))
+    served = ServedStates(source, token_paths)
+    logs = []
+    engine = served.start_server(logs.append)
+    assert engine["loaded_here"] and any("SLURM job 4242" in line for line in logs), logs
+    streamed = PackDataset(layout_of(token_paths, LAYER_IDS, L), sample_table(token_paths), 3)
+    streamed.served = served
+    for pack in packs_of(stored)[:3]:
+        assert_same_batch(stored[pack], streamed[pack])
+    assert stop_server(source.server)
+
+
+def test_a_server_killed_mid_epoch_fails_the_trainer_naming_it_and_the_rerun_completes(
+    tmp_path, server_env, monkeypatch
+):
+    stored, streamed, source = datasets(tmp_path)
+    target = write_target(tmp_path / "target")
+    vocab = build_draft_vocab(stored.layout.paths, V, 48)
+    cfg = train_config(10)
+    train(stored.layout.paths, target, vocab, tmp_path / "stored-run", cfg, TINY_DRAFT)
+    die = tmp_path / "die-after"
+    die.write_text("6")  # the server dies on its 7th pack, in step 7
+    monkeypatch.setenv("EAGLEFLOW_FAKE_DIE_FILE", str(die))
+    paths, run = streamed.layout.paths, tmp_path / "stream-run"
+    with pytest.raises(RuntimeError) as e:
+        train(paths, target, vocab, run, cfg, TINY_DRAFT, stream=source)
+    assert "died while capturing a training pack" in str(e.value)
+    assert str(source.server.log_path) in str(e.value)
+    die.unlink()
+    again = train(paths, target, vocab, run, cfg, TINY_DRAFT, stream=source)
+    assert again["start_step"] == 4 and again["end_step"] == 10  # from the step-4 checkpoint
+    a, b = load_trained(tmp_path / "stored-run")[0], load_trained(run)[0]
+    for name, x in a.state_dict().items():
+        assert torch.equal(x, b.state_dict()[name]), name

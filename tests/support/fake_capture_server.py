@@ -5,8 +5,8 @@ its position in its sample. Everything else is the real server's: the pack shard
 on the wire, the state cache and its budget. Started the way a training job starts the real
 one (`python -m support.fake_capture_server SPEC`, by an `EngineClient` given this module).
 
-`EAGLEFLOW_FAKE_DIE_AFTER=N` in the starting process's environment makes the server die
-(os._exit) on its N+1-th request, as a killed engine would."""
+`EAGLEFLOW_FAKE_DIE_FILE=PATH` in the starting process's environment: while PATH exists and
+holds N, the server dies (os._exit) on its N+1-th request, as a killed engine would."""
 
 import os
 
@@ -50,12 +50,14 @@ class FakeCaptureEngine:
 
     def __init__(self, spec):
         self.spec, self.stream = spec, None
-        self.die_after = int(os.environ.get("EAGLEFLOW_FAKE_DIE_AFTER", "-1"))
+        self.die_file = os.environ.get("EAGLEFLOW_FAKE_DIE_FILE")
         self.served = 0
 
     def handle(self, kind: str, req: dict, conn) -> dict:
-        if self.served == self.die_after:
-            os._exit(3)
+        if self.die_file and os.path.exists(self.die_file):
+            with open(self.die_file) as f:
+                if self.served == int(f.read()):
+                    os._exit(3)
         self.served += 1
         if self.stream is None:
             spec = self.spec

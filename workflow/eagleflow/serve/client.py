@@ -27,7 +27,9 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
 A server of a spec with `tcp` listens on a TCP port of its host instead of the unix socket,
 and writes `<key>.address` (host, port) next to its key file: a job on another node (another
 SLURM allocation: the training job of a streaming run) finds it there and connects with the
-same authkey (docs/streaming.md#transport).
+same authkey (docs/streaming.md#transport). A job inside a SLURM allocation that starts a
+`tcp` server submits it as a SLURM job of its own (`server_job_command`: the engine's nodes
+and GPUs, the job's log), so the engine and the trainer hold separate allocations.
 
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
@@ -340,6 +342,33 @@ def stop_server(spec: ServerSpec, log=print) -> bool:
     return True
 
 
+def server_job_command(spec: ServerSpec, server_module: str, python: str = sys.executable):
+    """`sbatch` of a server in an allocation of its own: the engine's nodes (extract.nodes),
+    every GPU of each node its TP x PP workers take, the server's log; it ends when idle or
+    asked to stop (`stop_server`), or at the cluster's time limit."""
+    s = spec.settings
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--job-name=eagleflow-engine-{spec.key}",
+        f"--output={Path(spec.log_path).resolve()}",
+        "--open-mode=append",
+        f"--nodes={s.nodes}",
+        "--ntasks-per-node=1",
+    ]
+    if s.device == "cuda":
+        per_node = s.tensor_parallel_size * s.pipeline_parallel_size // s.nodes
+        cmd += [f"--gres=gpu:{per_node}", "--exclusive"]
+    spec_file = Path(spec.file(".spec.json")).resolve()
+    return [*cmd, f"--chdir={os.getcwd()}", "--wrap", f"{python} -m {server_module} {spec_file}"]
+
+
+def slurm_job_alive(job_id: str) -> bool:
+    """The SLURM job is pending or running (squeue still lists it)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip() not in ("", "COMPLETED", "FAILED")
+
+
 class EngineClient:
     """A job's connection to the engine server of `spec`, started if needed as
     `python -m <server_module> SPEC`: the module of the spec's kind, named by the caller
@@ -415,6 +444,9 @@ class EngineClient:
         env = dict(os.environ)
         if spec.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.devices
+        if spec.tcp and os.environ.get("SLURM_JOB_ID"):
+            self._submit()
+            return
         with open(spec.log_path, "a") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", self.server_module, str(spec.file(".spec.json"))],
@@ -438,6 +470,29 @@ class EngineClient:
             time.sleep(0.5)
         self.started_here = True
         self.log(f"engine: server pid {self.server_pid} started")
+
+    def _submit(self) -> None:
+        """Start the server as a SLURM job of its own and wait for it (queue wait included)."""
+        spec = self.spec
+        cmd = server_job_command(spec, self.server_module)
+        job = subprocess.run(cmd, capture_output=True, text=True)
+        if job.returncode:
+            raise RuntimeError(f"could not submit the engine server: {' '.join(cmd)}: {job.stderr}")
+        job_id = job.stdout.strip().split(";")[0]
+        self.log(f"engine: server submitted as SLURM job {job_id}, log {spec.log_path}")
+        deadline = time.time() + READY_TIMEOUT_S
+        while not self._try_connect():
+            if not slurm_job_alive(job_id):
+                raise RuntimeError(
+                    f"the engine server's SLURM job {job_id} ended before it served; its log "
+                    f"{spec.log_path} ends:\n{log_tail(spec.log_path)}"
+                )
+            if time.time() > deadline:
+                subprocess.run(["scancel", job_id])
+                raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
+            time.sleep(2.0)
+        self.started_here = True
+        self.log(f"engine: server pid {self.server_pid} (SLURM job {job_id}) started")
 
     @property
     def engine(self) -> dict:
