@@ -455,3 +455,19 @@ def test_a_server_killed_mid_epoch_fails_the_trainer_naming_it_and_the_rerun_com
     a, b = load_trained(tmp_path / "stored-run")[0], load_trained(run)[0]
     for name, x in a.state_dict().items():
         assert torch.equal(x, b.state_dict()[name]), name
+
+
+def test_a_stream_source_refuses_a_plan_whose_states_go_to_files(tmp_path):
+    """vLLM's extract_hidden_states connector writes every state to files: not streamable."""
+    from dataclasses import replace
+
+    import yaml
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["draft"]["states"] = "stream"
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    plan = replace(make_plan(), strategy=Strategy.EXTRACT_HIDDEN_STATES)
+    plan.save(tmp_path / "capture_plan.json")
+    with pytest.raises(ValueError, match=r"capture_plan.json uses vLLM's extract_hidden_states"):
+        StreamSource.for_job(config, tmp_path / "capture_plan.json", tmp_path / "x.log")

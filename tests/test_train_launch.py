@@ -119,6 +119,28 @@ def test_an_srun_task_gets_torch_rank_variables_from_slurms():
         launch.rank_env({"MASTER_ADDR": "x"})
 
 
+def test_a_streaming_run_s_trainer_takes_the_gpus_its_engine_server_does_not():
+    """draft.stream_engine_devices on one node: the ranks see the node's other GPUs (torchrun
+    gets them as CUDA_VISIBLE_DEVICES, and one rank per GPU by default)."""
+    stream = {"states": "stream", "stream_engine_devices": "0,1,2,3"}
+    assert launch.trainer_devices(stream, 8) == "4,5,6,7"
+    assert launch.trainer_devices({**stream, "states": "stored"}, 8) is None
+    assert launch.trainer_devices({**stream, "stream_engine_devices": None}, 8) is None
+    with pytest.raises(launch.LaunchError, match="leaves the trainer none"):
+        launch.trainer_devices({**stream, "stream_engine_devices": "0,1"}, 2)
+    with pytest.raises(launch.LaunchError, match="CUDA device indices"):
+        launch.trainer_devices({**stream, "stream_engine_devices": "a,b"}, 8)
+    run = launch.Launch(1, 4, "cuda", devices="4,5,6,7")
+    assert launch.command(run, ARGS, python="py").env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert "CUDA_VISIBLE_DEVICES" not in launch.command(launch.Launch(1, 4, "cuda"), ARGS).env
+
+
+def test_streamed_states_refuse_sequence_splitting(tmp_path):
+    cfg = TrainConfig(sequence_parallel=2, batch_packs=2)
+    with pytest.raises(launch.LaunchError, match=r"sequence_parallel = 2 with streamed states"):
+        launch.preflight([], "t", None, cfg, {}, launch.Launch(1, 2, "cpu"), print, [1, 2])
+
+
 def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
     with pytest.raises(launch.LaunchError, match=r"draft\.nodes is 2.*--profile slurm"):
         launch.Launch(2, 1, "cpu").check(8)
