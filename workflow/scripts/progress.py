@@ -3,6 +3,7 @@ import json
 import pandas as pd
 
 from eagleflow.draft.progress import format_training_progress, training_progress
+from eagleflow.draft.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.extract.progress import (
     extraction_progress,
     format_progress,
@@ -10,6 +11,7 @@ from eagleflow.extract.progress import (
     regeneration_plan,
 )
 from eagleflow.logs import redirect_to_log
+from eagleflow.store.quant import bytes_per_token
 
 parts = []
 if "sources" in snakemake.input.keys():
@@ -46,6 +48,28 @@ if training is not None:
         training["heldout_modulus"],
     )
     parts.append(format_training_progress(plan))
+    # What the states cost in the run's draft.states mode: bytes on disk, target prefill-hours,
+    # and the training rate when the engine is slower than the trainer.
+    rate, source = engine_rate(snakemake.config["extract"], progress["measured_tokens_per_second"])
+    per_rank, ranks = plan["tokens_per_second_per_rank"], plan["ranks"]
+    measured = "measured by this run's checkpoints" if plan["rate_measured"] else TRAINER_ASSUMED
+    cost = StatesCost.from_config(
+        snakemake.params.draft,
+        tokens_per_epoch=plan["prefill_tokens_per_epoch"],
+        loss_tokens_per_epoch=plan["tokens_per_epoch"],
+        extracted_tokens=progress["tokens_total"],
+        bytes_per_token=bytes_per_token(
+            len(ext["layer_ids"]),
+            ext["hidden_size"],
+            snakemake.params.dtype,
+            snakemake.params.storage_dtype,
+        ),
+        engine_tokens_per_second=rate,
+        trainer_tokens_per_second=per_rank * ranks,
+        engine_source=source,
+        trainer_source=f"{per_rank:,.0f} per rank x {ranks} rank(s), {measured}",
+    )
+    parts.extend(cost.lines())
 text = "\n".join(parts)
 print(text)  # to the terminal: this target exists to be read
 with redirect_to_log(snakemake.log[0]):

@@ -3,25 +3,38 @@ import sys
 
 import pandas as pd
 
+from eagleflow.data.heldout import excluder
+from eagleflow.draft.resources import TrainingTokens
 from eagleflow.extract.preflight import validate
 from eagleflow.logs import redirect_to_log
 
 with redirect_to_log(snakemake.log[0]):
-    total_tokens = int(
-        pd.read_parquet(snakemake.input.manifest, columns=["n_tokens"])["n_tokens"].sum()
+    config = snakemake.config
+    manifest = pd.read_parquet(
+        snakemake.input.manifest, columns=["sample_id", "n_tokens", "n_loss_tokens"]
+    )
+    total_tokens = int(manifest["n_tokens"].sum())
+    # An epoch's training samples, for what the draft.states mode costs (as `progress` counts).
+    training = TrainingTokens.from_manifest(
+        manifest,
+        excluder(config["data"]["heldout_modulus"]),
+        config["draft"].get("max_sample_tokens", 0),
     )
     # Under a cluster executor this runs where Snakemake runs (often a login node without
     # GPUs): device and memory checks are then left to each extract job.
     device_checks = bool(snakemake.resources.get("device_checks", 1))
     ok, report = validate(
-        snakemake.config,
+        config,
         snakemake.params.target,
         total_tokens,
         snakemake.params.results_dir,
         device_checks=device_checks,
+        training=training,
     )
     for check in report["checks"]:
         print(f"[{'ok' if check['ok'] else 'FAILED'}] {check['name']}: {check['detail']}")
+    for line in report.get("states_cost", {}).get("lines", []):
+        print(f"[cost] {line}")
     if not ok:
         failed = [c for c in report["checks"] if not c["ok"]]
         sys.exit("validate_env failed:\n" + "\n".join(f"- {c['detail']}" for c in failed))

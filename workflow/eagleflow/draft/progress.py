@@ -30,6 +30,7 @@ def training_progress(manifest, work_dir, draft: dict, ranks: int, heldout_modul
         "max_steps": int(draft.get("max_steps") or 0),
         "training_samples": epoch.samples,
         "tokens_per_epoch": epoch.loss_tokens,
+        "prefill_tokens_per_epoch": epoch.tokens,  # all of them: what draft.states stream prefills
         "tokens_total": total,
         "step": progress.get("step"),
         "total_steps": progress.get("total_steps"),

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from eagleflow.draft.resources import TrainingTokens, TrainJob
+from eagleflow.draft.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.store.headers import read_header
 from eagleflow.store.quant import DEFAULT_STORAGE, bytes_per_token
 from eagleflow.target.info import (
@@ -197,16 +199,24 @@ def check_devices_for(settings) -> None:
 
 
 def validate(
-    config: dict, target_dir: str, total_tokens: int, results_dir: str, device_checks: bool = True
+    config: dict,
+    target_dir: str,
+    total_tokens: int,
+    results_dir: str,
+    device_checks: bool = True,
+    training: TrainingTokens | None = None,
 ) -> tuple[bool, dict]:
     """Every check the `validate_env` rule makes before any model loads: package versions, the
     target's config, layer ids, pipeline stages, nodes, remote code, tokenizer, weight headers,
     devices and memory (unless `device_checks` is off: a login node defers them to the extract
-    jobs) and disk for `total_tokens` tokens of hidden states in `results_dir`.
+    jobs) and disk for the hidden states `draft.states` writes in `results_dir` (`stored`: all
+    `total_tokens` tokens; `cached`: at most `draft.cache_bytes`; `stream`: none).
 
     Returns (whether all passed, the report: versions and each check's name, ok and detail,
-    then, when the target's config reads, the weight and output size estimates and the layout).
-    A target whose config does not read ends the checks there."""
+    then, when the target's config reads, the weight and output size estimates, the layout and
+    `states_cost`: what the draft.states mode costs, `eagleflow.draft.stream_cost`, for an
+    epoch of `training` (the token manifest's training samples; None: every token, each counted
+    as loss-masked)). A target whose config does not read ends the checks there."""
     versions = package_versions()
     checks = [_check_versions(versions)]
     ext, cap = config["extract"], config["capture"]
@@ -256,7 +266,8 @@ def validate(
     storage = cap.get("storage_dtype", DEFAULT_STORAGE)
     per_token = bytes_per_token(n_layers, info.hidden_size, ext["dtype"], storage)
     row = f"{n_layers} layers x {info.hidden_size}, stored as {storage}"
-    checks.append(_check_disk(results_dir, total_tokens, per_token, row))
+    cost = _states_cost(config, total_tokens, per_token, training)
+    checks.append(_check_disk(results_dir, total_tokens, per_token, row, cost))
     extra = {
         "weight_bytes_estimate": target_bytes,
         "output_bytes_estimate": total_tokens * per_token,
@@ -265,8 +276,33 @@ def validate(
         "pipeline_parallel_size": pp,
         "nodes": nodes,
         "device": ext["device"],
+        "states_cost": cost.as_dict(),
     }
     return _report(checks, versions, extra)
+
+
+def _states_cost(
+    config: dict, total_tokens: int, per_token: int, training: TrainingTokens | None
+) -> StatesCost:
+    """The draft.states mode's cost at the configured rates: `extract.tokens_per_second` (no
+    extract job has measured one yet) and `draft.tokens_per_second_per_rank` x the train job's
+    ranks (`eagleflow.draft.resources.TrainJob`)."""
+    draft = config["draft"]
+    epoch = training or TrainingTokens(0, total_tokens, total_tokens)
+    ranks = TrainJob.from_config(draft, config["extract"]).ranks
+    per_rank = float(draft["tokens_per_second_per_rank"])
+    rate, source = engine_rate(config["extract"])
+    return StatesCost.from_config(
+        draft,
+        tokens_per_epoch=epoch.tokens,
+        loss_tokens_per_epoch=epoch.loss_tokens,
+        extracted_tokens=total_tokens,
+        bytes_per_token=per_token,
+        engine_tokens_per_second=rate,
+        trainer_tokens_per_second=per_rank * ranks,
+        engine_source=source,
+        trainer_source=f"{TRAINER_ASSUMED} {per_rank:,.0f} x {ranks} rank(s)",
+    )
 
 
 def _check_versions(versions: dict) -> Check:
@@ -292,21 +328,31 @@ def _check_layer_ids(cap: dict, num_layers: int) -> tuple[list[int] | None, Chec
     )
 
 
-def _check_disk(results_dir, total_tokens: int, per_token: int, row: str) -> Check:
-    """Room in `results_dir` for the hidden states, `per_token` bytes a token (`row` says what
-    a token's row holds)."""
-    out_bytes = total_tokens * per_token
+def _check_disk(results_dir, total_tokens: int, per_token: int, row: str, cost) -> Check:
+    """Room in `results_dir` for the hidden states the draft.states mode writes
+    (`cost.bytes_on_disk`: stored all `total_tokens`, cached at most draft.cache_bytes, stream
+    none), `per_token` bytes a token (`row` says what a token's row holds)."""
+    out_bytes = cost.bytes_on_disk
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(results_dir).free
+    what = {
+        "stored": f"{total_tokens} tokens x {row}",
+        "stream": "draft.states stream writes none",
+        "cached": f"draft.states cached, at most draft.cache_bytes, of {row}",
+    }[cost.mode]
+    fix = {
+        "stored": "free space, point results_dir elsewhere, or stream the states "
+        "(draft.states: stream or cached)",
+        "cached": "free space, point results_dir elsewhere, or lower draft.cache_bytes",
+    }.get(cost.mode, "")
+    fits = out_bytes < free or out_bytes == 0
     return Check(
         "disk",
-        out_bytes < free,
-        f"{out_bytes / 2**30:.2f} GiB of hidden states ({total_tokens} tokens x {row}) fit in "
-        f"{free / 2**30:.1f} GiB free"
-        if out_bytes < free
-        else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({total_tokens} "
-        f"tokens x {per_token} bytes: {row}) but {results_dir} has {free / 2**30:.1f} GiB "
-        "free; free space or point results_dir elsewhere",
+        fits,
+        f"{out_bytes / 2**30:.2f} GiB of hidden states ({what}) fit in {free / 2**30:.1f} GiB free"
+        if fits
+        else f"the hidden states need about {out_bytes / 2**30:.1f} GiB ({what}; "
+        f"{per_token} bytes a token) but {results_dir} has {free / 2**30:.1f} GiB free; {fix}",
     )
 
 
