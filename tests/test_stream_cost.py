@@ -124,6 +124,7 @@ def test_validate_env_states_the_cost_and_checks_only_the_bytes_the_mode_writes(
     from snakemake.utils import validate as validate_schema
 
     from eagleflow.draft.resources import TrainingTokens
+    from eagleflow.draft.stream_cost import states_cost_of_config
     from eagleflow.extract.preflight import validate
     from support.workflow_runner import REPO
 
@@ -139,7 +140,7 @@ def test_validate_env_states_the_cost_and_checks_only_the_bytes_the_mode_writes(
             10_000,
             str(tmp_path / "results"),
             device_checks=False,
-            training=epoch,
+            states_cost=lambda per_token: states_cost_of_config(cfg, 10_000, per_token, epoch),
         )
         assert ok, [c for c in report["checks"] if not c["ok"]]
         reports[mode] = report

@@ -5,6 +5,7 @@ import pandas as pd
 
 from eagleflow.data.heldout import excluder
 from eagleflow.draft.resources import TrainingTokens
+from eagleflow.draft.stream_cost import states_cost_of_config
 from eagleflow.extract.preflight import validate
 from eagleflow.logs import redirect_to_log
 
@@ -29,7 +30,9 @@ with redirect_to_log(snakemake.log[0]):
         total_tokens,
         snakemake.params.results_dir,
         device_checks=device_checks,
-        training=training,
+        states_cost=lambda per_token: states_cost_of_config(
+            config, total_tokens, per_token, training
+        ),
     )
     for check in report["checks"]:
         print(f"[{'ok' if check['ok'] else 'FAILED'}] {check['name']}: {check['detail']}")

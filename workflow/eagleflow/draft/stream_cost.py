@@ -259,3 +259,28 @@ def _gib(n: float) -> str:
     if n == 0:
         return "0 bytes"
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
+
+
+def states_cost_of_config(config: dict, total_tokens: int, per_token: int, training=None):
+    """validate_env's cost of the configured mode at the configured rates:
+    `extract.tokens_per_second` (no extract job has measured one yet) and
+    `draft.tokens_per_second_per_rank` x the train job's ranks; `training`: an epoch's
+    `eagleflow.draft.resources.TrainingTokens` (None: every token, each loss-masked)."""
+    from eagleflow.draft.resources import TrainingTokens, TrainJob
+
+    draft = config["draft"]
+    epoch = training or TrainingTokens(0, total_tokens, total_tokens)
+    ranks = TrainJob.from_config(draft, config["extract"]).ranks
+    per_rank = float(draft["tokens_per_second_per_rank"])
+    rate, source = engine_rate(config["extract"])
+    return StatesCost.from_config(
+        draft,
+        tokens_per_epoch=epoch.tokens,
+        loss_tokens_per_epoch=epoch.loss_tokens,
+        extracted_tokens=total_tokens,
+        bytes_per_token=per_token,
+        engine_tokens_per_second=rate,
+        trainer_tokens_per_second=per_rank * ranks,
+        engine_source=source,
+        trainer_source=f"{TRAINER_ASSUMED} {per_rank:,.0f} x {ranks} rank(s)",
+    )

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from eagleflow.draft.resources import TrainingTokens, TrainJob
-from eagleflow.draft.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.store.headers import read_header
 from eagleflow.store.quant import DEFAULT_STORAGE, bytes_per_token
 from eagleflow.target.info import (
@@ -204,7 +202,7 @@ def validate(
     total_tokens: int,
     results_dir: str,
     device_checks: bool = True,
-    training: TrainingTokens | None = None,
+    states_cost=None,
 ) -> tuple[bool, dict]:
     """Every check the `validate_env` rule makes before any model loads: package versions, the
     target's config, layer ids, pipeline stages, nodes, remote code, tokenizer, weight headers,
@@ -214,9 +212,9 @@ def validate(
 
     Returns (whether all passed, the report: versions and each check's name, ok and detail,
     then, when the target's config reads, the weight and output size estimates, the layout and
-    `states_cost`: what the draft.states mode costs, `eagleflow.draft.stream_cost`, for an
-    epoch of `training` (the token manifest's training samples; None: every token, each counted
-    as loss-masked)). A target whose config does not read ends the checks there."""
+    `states_cost`: what the draft.states mode costs, from `states_cost(bytes per token)`, a
+    `eagleflow.draft.stream_cost.StatesCost`; None: stored, no cost lines). A target whose
+    config does not read ends the checks there."""
     versions = package_versions()
     checks = [_check_versions(versions)]
     ext, cap = config["extract"], config["capture"]
@@ -266,7 +264,7 @@ def validate(
     storage = cap.get("storage_dtype", DEFAULT_STORAGE)
     per_token = bytes_per_token(n_layers, info.hidden_size, ext["dtype"], storage)
     row = f"{n_layers} layers x {info.hidden_size}, stored as {storage}"
-    cost = _states_cost(config, total_tokens, per_token, training)
+    cost = states_cost(per_token) if states_cost is not None else None
     checks.append(_check_disk(results_dir, total_tokens, per_token, row, cost))
     extra = {
         "weight_bytes_estimate": target_bytes,
@@ -276,33 +274,10 @@ def validate(
         "pipeline_parallel_size": pp,
         "nodes": nodes,
         "device": ext["device"],
-        "states_cost": cost.as_dict(),
     }
+    if cost is not None:
+        extra["states_cost"] = cost.as_dict()
     return _report(checks, versions, extra)
-
-
-def _states_cost(
-    config: dict, total_tokens: int, per_token: int, training: TrainingTokens | None
-) -> StatesCost:
-    """The draft.states mode's cost at the configured rates: `extract.tokens_per_second` (no
-    extract job has measured one yet) and `draft.tokens_per_second_per_rank` x the train job's
-    ranks (`eagleflow.draft.resources.TrainJob`)."""
-    draft = config["draft"]
-    epoch = training or TrainingTokens(0, total_tokens, total_tokens)
-    ranks = TrainJob.from_config(draft, config["extract"]).ranks
-    per_rank = float(draft["tokens_per_second_per_rank"])
-    rate, source = engine_rate(config["extract"])
-    return StatesCost.from_config(
-        draft,
-        tokens_per_epoch=epoch.tokens,
-        loss_tokens_per_epoch=epoch.loss_tokens,
-        extracted_tokens=total_tokens,
-        bytes_per_token=per_token,
-        engine_tokens_per_second=rate,
-        trainer_tokens_per_second=per_rank * ranks,
-        engine_source=source,
-        trainer_source=f"{TRAINER_ASSUMED} {per_rank:,.0f} x {ranks} rank(s)",
-    )
 
 
 def _check_versions(versions: dict) -> Check:
@@ -331,20 +306,21 @@ def _check_layer_ids(cap: dict, num_layers: int) -> tuple[list[int] | None, Chec
 def _check_disk(results_dir, total_tokens: int, per_token: int, row: str, cost) -> Check:
     """Room in `results_dir` for the hidden states the draft.states mode writes
     (`cost.bytes_on_disk`: stored all `total_tokens`, cached at most draft.cache_bytes, stream
-    none), `per_token` bytes a token (`row` says what a token's row holds)."""
-    out_bytes = cost.bytes_on_disk
+    none; no `cost`: stored), `per_token` bytes a token (`row` says what a token's row holds)."""
+    mode = cost.mode if cost is not None else "stored"
+    out_bytes = cost.bytes_on_disk if cost is not None else total_tokens * per_token
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(results_dir).free
     what = {
         "stored": f"{total_tokens} tokens x {row}",
         "stream": "draft.states stream writes none",
         "cached": f"draft.states cached, at most draft.cache_bytes, of {row}",
-    }[cost.mode]
+    }[mode]
     fix = {
         "stored": "free space, point results_dir elsewhere, or stream the states "
         "(draft.states: stream or cached)",
         "cached": "free space, point results_dir elsewhere, or lower draft.cache_bytes",
-    }.get(cost.mode, "")
+    }.get(mode, "")
     fits = out_bytes < free or out_bytes == 0
     return Check(
         "disk",
