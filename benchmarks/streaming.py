@@ -33,10 +33,19 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 
+def merged(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merged(base.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
 def run(workdir: Path, target: str, config: dict) -> float:
-    """`snakemake <target>` of this workflow in `workdir` with `config` over the default;
+    """`snakemake <target>` of this workflow in `workdir` with `config` over the default
+    (config/config.yaml, which the Snakefile names relative to the working directory);
     returns its wall seconds."""
-    (workdir / "bench.yaml").write_text(yaml.safe_dump(config))
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    (workdir / "bench.yaml").write_text(yaml.safe_dump(merged(default, config)))
     cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir)]
     cmd += ["--configfile", str(workdir / "bench.yaml"), "--cores", "all", target]
     t0 = time.perf_counter()

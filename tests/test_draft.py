@@ -306,6 +306,18 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
     assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and hf["draft_vocab_size"] == 48
 
 
+def test_a_draft_over_the_whole_target_vocabulary_exports_no_id_maps(tiny):
+    """draft.vocab_size at (or above) the target's: vLLM builds no draft_id_to_target_id and
+    refuses a d2t in the file, so none is written (the ids are the target's, in order)."""
+    from eagleflow.draft.export import export_tensors
+    from eagleflow.draft.train import build_draft
+
+    target, shards = tiny
+    draft = build_draft(target, build_draft_vocab(shards, V, V), 3, 0, "random", **TINY_DRAFT)
+    names = set(export_tensors(draft, torch.bfloat16))
+    assert names == SPECULATORS_NAMES - {"d2t", "t2d"}
+
+
 def test_export_refuses_disagreeing_shards_or_ids(tiny, tmp_path):
     target, shards = tiny
     run_train(tiny, tmp_path / "run", steps=1, ckpt_every=1)

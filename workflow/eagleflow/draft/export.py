@@ -103,11 +103,18 @@ def speculators_config(
 
 
 def export_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
-    """Floating weights cast to `dtype`; d2t int64, t2d bool; names as vLLM loads them."""
+    """Floating weights cast to `dtype`; d2t int64, t2d bool; names as vLLM loads them. A
+    draft whose vocabulary is the target's whole vocabulary has no d2t/t2d: vLLM builds no
+    `draft_id_to_target_id` then and refuses one in the file (the ids are the target's, in
+    order: `eagleflow.draft.vocab` keeps chosen ids sorted, so d2t is all zeros)."""
     out = {}
     for name, tensor in draft.export_state_dict().items():  # + the frozen embedding
         tensor = tensor.detach().cpu()
         out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
+        if out["d2t"].any():
+            raise ValueError("a draft vocabulary of every target id must keep the ids in order")
+        del out["d2t"], out["t2d"]
     return out
 
 
