@@ -215,11 +215,12 @@ class ServedStates:
         """Ask the server for samples `refs` [(shard index, sample index)]; returns
         {key: (states, scales, input ids it captured)}."""
         source = self.source
+        # Absolute paths: the server may run elsewhere (another directory, another node).
         request = {
-            "samples": [[self.paths[s], j] for s, j in refs],
+            "samples": [[str(Path(self.paths[s]).resolve()), j] for s, j in refs],
             "scratch": source.scratch_dir,
             "cache": (
-                {"dir": source.cache_dir, "budget_bytes": source.cache_bytes}
+                {"dir": str(Path(source.cache_dir).resolve()), "budget_bytes": source.cache_bytes}
                 if source.mode == "cached"
                 else None
             ),

@@ -60,6 +60,10 @@ from eagleflow.engine.settings import EngineSettings
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
 KINDS = ("capture", "generate")  # what a server's engine is built for, and the request it serves
 READY_TIMEOUT_S = 6 * 3600  # a load that never finishes still ends (the job's time limit first)
+BACKLOG = 256  # connections a server's listener queues while it serves one
+# A `states` request is one pack's prefill (seconds); no answer for this long means the
+# server's host is gone without closing the connection (a lost node).
+STATES_TIMEOUT_S = 1800
 
 
 def snakemake_ancestor(pid: int | None = None) -> int | None:
@@ -164,9 +168,11 @@ class ServerSpec:
     def listen(self, authkey: bytes):
         """The server's listener: the unix socket, or a TCP port of this host (any free one),
         published in the `.address` file."""
+        # A deep backlog: clients (a streaming run's workers on several nodes, whose lock
+        # file may not serialize them) queue in the kernel, none is refused.
         if not self.tcp:
-            return Listener(self.address, family="AF_UNIX", authkey=authkey)
-        listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+            return Listener(self.address, family="AF_UNIX", backlog=BACKLOG, authkey=authkey)
+        listener = Listener(("", 0), family="AF_INET", backlog=BACKLOG, authkey=authkey)
         host = os.environ.get("EAGLEFLOW_SERVER_HOST") or socket.gethostname()
         tmp = self.file(f".address.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"host": host, "port": listener.address[1]}))
@@ -500,12 +506,19 @@ class EngineClient:
         the model (it started the server), and the server's pid."""
         return {"server": True, "loaded_here": self.started_here, "server_pid": self.server_pid}
 
-    def _request(self, kind: str, request: dict, doing: str, progress=sys.stderr):
+    def _request(self, kind: str, request: dict, doing: str, progress=sys.stderr, timeout=None):
         """Send one request; relay the server's progress lines to `progress` until its answer.
-        The server's error (its traceback) or death (EOF: the tail of its log) fails the job."""
+        The server's error (its traceback) or death (EOF: the tail of its log) fails the job,
+        and so does silence for `timeout` seconds when one is given."""
         try:
             self.conn.send((kind, request))
             while True:
+                if timeout is not None and not self.conn.poll(timeout):
+                    raise RuntimeError(
+                        f"the engine server (pid {self.server_pid}) sent nothing for "
+                        f"{timeout} s while {doing}: its host may be gone; its log "
+                        f"{self.spec.log_path} ends:\n{log_tail(self.spec.log_path)}"
+                    )
                 msg = self.conn.recv()
                 if msg[0] == "log":
                     progress.write(msg[1])
@@ -533,7 +546,8 @@ class EngineClient:
 
     def states(self, request: dict) -> dict:
         """One pack's captured states (`eagleflow.extract.stream.StreamCapture.handle`)."""
-        return self._request("states", request, "capturing a training pack's states")
+        doing = "capturing a training pack's states"
+        return self._request("states", request, doing, timeout=STATES_TIMEOUT_S)
 
     def generate(self, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
         """One round: the server's `generate_replies` over these prompt id lists, (text,
