@@ -508,11 +508,17 @@ class RunFiles:
             row |= _fmt(metrics, k)
         self.val_rows.append(row)
 
-    def checkpointed(self, status: dict) -> None:
-        """The rows a checkpoint holds, and where the run stands (progress.json)."""
+    def save_rows(self) -> None:
+        """The rows up to a checkpoint, written before it: a run killed once its checkpoint
+        exists resumes after rows that are on disk (rows past the checkpoint it resumes from
+        are dropped when read back)."""
         if self.rank == 0:
             self._write(METRICS, self.columns, self.rows)
             self._write(VALIDATION, self.val_columns, self.val_rows)
+
+    def checkpointed(self, status: dict) -> None:
+        """Where the run stands (progress.json), once its checkpoint is saved."""
+        if self.rank == 0:
             _write_json(self.out / PROGRESS, status)
 
     def finished(self, summary: dict) -> None:
@@ -774,6 +780,7 @@ def train(
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total:
             keep_if_best(step + 1)
         if (step + 1) % cfg.save_every == 0 or step + 1 == total:
+            files.save_rows()
             checkpoint.save(state, out, step + 1, recipe, rank)
             files.checkpointed(
                 {
