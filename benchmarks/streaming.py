@@ -22,39 +22,11 @@ import argparse
 import json
 import re
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
-
-
-def merged(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = merged(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
-def run(workdir: Path, target: str, config: dict) -> float:
-    """`snakemake <target>` of this workflow in `workdir` with `config` over the default
-    (config/config.yaml, which the Snakefile names relative to the working directory);
-    returns its wall seconds."""
-    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    (workdir / "bench.yaml").write_text(yaml.safe_dump(merged(default, config)))
-    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir)]
-    cmd += ["--configfile", str(workdir / "bench.yaml"), "--cores", "all", target]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    (workdir / f"{target}.out").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed; its output: {workdir / f'{target}.out'}")
-    return seconds
+# `snakemake <target>` in a working directory with settings over config/config.yaml, timed:
+# the engine-reuse benchmark's runner.
+from engine_reuse import run  # noqa: E402
 
 
 def states_bytes(hidden: Path) -> int:
