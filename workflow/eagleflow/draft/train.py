@@ -634,7 +634,7 @@ class TrainData:
         return (
             data_loader(dataset, sampler, *workers),
             sampler,
-            data_loader(held_dataset, held, *workers),
+            data_loader(held_dataset, held, *workers, once=True),
         )
 
 
