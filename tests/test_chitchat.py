@@ -102,9 +102,10 @@ def test_bundled_rows_mix_chat_with_the_chosen_synthetic_families():
     assert {r["family"] for r in synthetic} <= {"digits", "spelling"}
 
 
-def test_the_default_bundled_dataset_is_the_synthetic_corpus_of_all_six_families(tmp_path):
-    """The schema's defaults give exactly `generate_conversations(n, seed)`: the embedded
-    default's dataset (and so its target, shards and draft) is unchanged by the corpus keys."""
+def test_the_default_bundled_dataset_is_the_synthetic_corpus_of_the_default_families(tmp_path):
+    """The schema's defaults give exactly `generate_conversations(n, seed, families)` of the
+    six families whose replies the tiny target did not loop on (arithmetic, counting and
+    sorting left out)."""
     from snakemake.utils import validate
 
     from eagleflow.embedded.bundled_data import bundled_rows, generate_conversations
@@ -112,6 +113,44 @@ def test_the_default_bundled_dataset_is_the_synthetic_corpus_of_all_six_families
     config = {"data": {}}
     validate(config, str(Path(__file__).parents[1] / "workflow/schemas/config.schema.yaml"))
     data = {k: v for k, v in config["data"].items() if k.startswith("bundled_")}
-    assert data["bundled_corpus"] == "synthetic" and data["bundled_synthetic_families"] is None
-    data["bundled_conversations"] = 50
-    assert bundled_rows(data) == generate_conversations(50, data["bundled_seed"])
+    families = data["bundled_synthetic_families"]
+    assert data["bundled_corpus"] == "synthetic"
+    rewriting = {"signs", "capitalize", "digit_words"}
+    assert set(families) == {"capitals", "spelling", "digits"} | rewriting
+    data["bundled_conversations"] = 200
+    rows = bundled_rows(data)
+    assert rows == generate_conversations(200, data["bundled_seed"], families)
+    assert {r["family"] for r in rows} == set(families)
+
+
+def test_a_rewriting_reply_varies_with_its_prompt_and_repeats_no_two_token_run():
+    """signs, capitalize, digit_words: four items, each rewritten (no leading space, a capital,
+    a digit's word) and joined by three different signs, so that, token for token, no two
+    consecutive reply tokens occur in the prompt or earlier in the reply, even where an item
+    repeats: n-gram speculation (a lookup of at least 2 tokens) has nothing to copy."""
+    from eagleflow.embedded.bundled_data import NUMBER_WORDS, generate_conversations
+    from eagleflow.embedded.tiny_target import train_tokenizer
+
+    rows = generate_conversations(300, 0, ["signs", "capitalize", "digit_words"])
+    replies = [r["messages"][1]["content"] for r in rows]
+    assert len(set(replies)) > 280  # 4 of 30 words, or 4 digits: nearly all distinct
+    tok = train_tokenizer([m["content"] for r in rows for m in r["messages"]], 512)
+    repeats = 0
+    for r in rows:
+        prompt, reply = (m["content"] for m in r["messages"])
+        items = prompt.split(": ")[1].split(", ")
+        words = reply[:-1].replace("+", "-").replace("/", "-").split("-")
+        assert len(items) == len(words) == 4
+        if r["family"] == "digit_words":
+            assert words == [NUMBER_WORDS[int(d)] for d in items]
+        else:
+            assert [w.lower() for w in words] == items
+        p_ids = tok(prompt)["input_ids"]
+        r_ids = tok(reply)["input_ids"]
+        assert len(r_ids) == 2 * len(items)  # item, sign, ..., item, end: two tokens an item
+        seen = {tuple(p_ids[i : i + 2]) for i in range(len(p_ids) - 1)}
+        for i in range(len(r_ids) - 1):
+            assert tuple(r_ids[i : i + 2]) not in seen, (prompt, reply)
+            seen.add(tuple(r_ids[i : i + 2]))
+        repeats += len(set(words)) < 4
+    assert repeats > 10  # digit_words repeat digits: the signs keep their runs apart
