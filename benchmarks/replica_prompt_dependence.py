@@ -116,6 +116,15 @@ def reply_figures(tok, rows, samples) -> None:
     print(f"unique_share={unique / len(every):.3f} ngram_al={1 + a / d if d else 1.0:.3f}")
 
 
+def default_families() -> list[str]:
+    """data.bundled_synthetic_families as the workflow's schema defaults it."""
+    from snakemake.utils import validate
+
+    config = {"data": {}}
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    return config["data"]["bundled_synthetic_families"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, required=True)
@@ -126,7 +135,7 @@ def main():
     ap.add_argument("--conversations", type=int, default=3000, help="bundled dataset size")
     ap.add_argument("--data-seed", type=int, default=0, help="bundled dataset seed")
     ap.add_argument("--corpus", choices=("synthetic", "chitchat", "mixed"), default="synthetic")
-    ap.add_argument("--families", nargs="+", default=None, help="synthetic families (all)")
+    ap.add_argument("--families", nargs="+", default=default_families(), help="synthetic families")
     ap.add_argument("--synthetic-share", type=float, default=0.8, help="mixed corpus only")
     ap.add_argument("--prompts", type=int, default=6, help="held-out prompts answered greedily")
     ap.add_argument("--template", choices=("kimi", "no-default-system"), default="kimi")
