@@ -507,11 +507,10 @@ def data_loader(
 ):
     """Workers read and build the packs ahead of the step; the pinned host copy lets the
     device copy run asynchronously. `once` (the held-out loader, iterated at every
-    validation): its workers are forked at the first validation and live through the run.
-    Forked again at each validation, while the training loader's queue threads ran, a new
-    worker now and then hung before it ran any Python (a fork-with-threads deadlock: 2 of 7
-    runs of test_sigkill_of_one_rank_..., 40 validations each). Not a forkserver: its workers'
-    parent is the forkserver, so they outlive a killed rank and hold its output open."""
+    validation): its workers are forked once, at the first validation, and live through the
+    run: a worker forked while the training loader's queue threads run can deadlock before it
+    runs any Python, so fork as rarely as possible. Not a forkserver: its workers' parent is
+    the forkserver, so they outlive a killed rank and hold its output open."""
     kw = {"persistent_workers": True} if once and num_workers else {}
     return DataLoader(
         dataset,
