@@ -50,6 +50,7 @@ from eagleflow.capture.reference import check_shard_against_reference, reference
 from eagleflow.draft.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.draft.memory_plan import GB, MemoryPlan, Workload, plan_memory  # noqa: E402
 from eagleflow.draft.model import DraftConfig, Eagle3Draft, attend, kernel_for, pack_mask  # noqa: E402
+from eagleflow.draft.optimizer import build_optimizers  # noqa: E402
 from eagleflow.draft.sequence_parallel import slice_length  # noqa: E402
 from eagleflow.draft.train import TrainConfig, train_step  # noqa: E402
 from eagleflow.store.direct_io import ALIGN, DirectWriter  # noqa: E402
@@ -238,14 +239,14 @@ def run_reference(args, device: torch.device) -> list[dict]:
 class DraftRig(NamedTuple):
     """What one draft-training case trains with, built as `eagleflow.draft.train` builds it:
     the draft (flex attention: compiled on CUDA), the target's head rows over the draft
-    vocabulary in bf16, AdamW over the trainable parameters. (A NamedTuple, not a dataclass:
+    vocabulary in bf16, the optimizers of draft.optimizer. (A NamedTuple, not a dataclass:
     the tests load this script without registering it as a module.)"""
 
     cfg: DraftConfig
     layout: ShardLayout
     model: Eagle3Draft
     head: TargetHead
-    optim: torch.optim.Optimizer
+    optims: list[torch.optim.Optimizer]
     train: TrainConfig
 
     @property
@@ -255,7 +256,9 @@ class DraftRig(NamedTuple):
     def step(self, batch) -> float:
         """One optimizer step on one pack exactly as the trainer takes it (states dequantized
         on the device, autocast bf16 on CUDA, clipped update); the pack's loss."""
-        return train_step(self.model, self.head, self.optim, self.train, [batch], 1, self.device)[0]
+        return train_step(self.model, self.head, self.optims, self.train, [batch], 1, self.device)[
+            0
+        ]
 
     @property
     def device(self) -> torch.device:
@@ -281,9 +284,7 @@ def draft_rig(target: dict, draft_vocab: int, device: torch.device) -> DraftRig:
         g = None if device.type == "meta" else torch.Generator(device).manual_seed(3)
         rows = torch.randn(draft_vocab, cfg.hidden_size, generator=g) * 0.02
         head = TargetHead(torch.ones(cfg.hidden_size), rows, cfg.rms_norm_eps, torch.bfloat16)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
-    return DraftRig(cfg, layout, model, head, optim, train)
+    return DraftRig(cfg, layout, model, head, build_optimizers(model, train), train)
 
 
 def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int, seed: int):
@@ -335,7 +336,8 @@ def run_draft(args, device: torch.device) -> list[dict]:
                         "peak_gib": peak_gib(device),
                     }
                 )
-                rig.optim.zero_grad(set_to_none=True)
+                for optim in rig.optims:
+                    optim.zero_grad(set_to_none=True)
                 del batch
                 reset_peak(device)
                 continue

@@ -211,6 +211,72 @@ def test_a_frozen_target_lm_head_trains_alike_on_one_and_two_ranks_and_stays_the
     assert one["steps"] == 6
 
 
+def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_path):
+    """draft.optimizer: muon. Under FSDP each rank holds rows of a matrix; Muon's update is the
+    whole matrix's (DTensor ops), so two ranks take one rank's steps. AdamW takes others."""
+    from eagleflow.draft.optimizer import build_optimizers, muon_split
+
+    run_here(data, tmp_path / "adamw")
+    draft, _ = load_trained(tmp_path / "adamw")
+    muon, adamw = muon_split(draft)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    assert {names[id(p)].split(".")[-2] for p in muon} >= {"fc", "q_proj", "down_proj"}
+    assert all(p.ndim == 2 for p in muon)
+    assert "lm_head.weight" in {names[id(p)] for p in adamw}
+    cfg = TrainConfig(**{**CONFIG, "optimizer": "muon", "muon_lr": 0.02})
+    assert [type(o).__name__ for o in build_optimizers(draft, cfg)] == ["Muon", "AdamW"]
+    assert build_optimizers(draft, cfg)[0].param_groups[0]["peak_lr"] == 0.02
+
+    # Newton-Schulz runs in bf16: the ranks' sums round otherwise than one process's
+    one = run_here(data, tmp_path / "one", optimizer="muon", muon_lr=0.02)
+    torchrun(data, tmp_path / "two", 2, optimizer="muon", muon_lr=0.02)
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-4, atol=0
+    )
+    assert_same_draft(tmp_path / "one", tmp_path / "two", atol=1e-3)
+    assert losses(tmp_path / "one")[1:] != losses(tmp_path / "adamw")[1:]
+    assert one["steps"] == 6
+    with pytest.raises(ValueError, match="draft.optimizer = 'sgd'"):
+        TrainConfig(optimizer="sgd")
+
+
+MUON_STEP = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+weight, grad = torch.randn(32, 96), torch.randn(32, 96)
+def step(w, g):
+    w = torch.nn.Parameter(w)
+    w.grad = g
+    torch.optim.Muon([w], lr=0.1, weight_decay=0.0).step()
+    return w.detach()
+full = step(weight.clone(), grad.clone())
+sharded = step(*(distribute_tensor(t, mesh, [Shard(0)]) for t in (weight, grad))).full_tensor()
+rows = slice(16 * dist.get_rank(), 16 * dist.get_rank() + 16)
+own_rows = step(weight[rows].clone(), grad[rows].clone())  # what orthogonalizing a shard gives
+whole, own = (sharded - full).abs().max(), (own_rows - full[rows]).abs().max()
+if dist.get_rank() == 0:
+    print(f"whole={whole:.3e} own_rows={own:.3e}")
+dist.destroy_process_group()
+"""
+
+
+def test_muon_on_a_row_sharded_matrix_steps_the_whole_matrix(tmp_path):
+    """FSDP2 shards a weight by rows (DTensor Shard(0)); torch's Muon on that DTensor updates
+    it as the whole matrix, not as each rank's rows orthogonalized alone."""
+    script = tmp_path / "muon_step.py"
+    script.write_text(MUON_STEP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    proc = subprocess.run(
+        [*cmd, "2", str(script)], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"whole=(\S+) own_rows=(\S+)", proc.stdout)
+    whole, own_rows = float(found[1]), float(found[2])
+    assert whole < 2e-3 < 1e-2 < own_rows, proc.stdout
+
+
 def test_sequence_parallel_must_divide_the_ranks(data, tmp_path):
     with pytest.raises(ValueError, match=r"draft.sequence_parallel = 2 .* the 1 ranks"):
         run_here(data, tmp_path / "out", sequence_parallel=2)

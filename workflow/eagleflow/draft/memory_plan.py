@@ -9,7 +9,7 @@ S TTT steps, a bytes per activation (bf16 autocast on CUDA: 2; fp32 on CPU: 4) a
 
     params       4P / W     fp32 master weights, sharded
     grads        4P / W     fp32, sharded
-    optimizer    8P / W     AdamW's two moments, fp32, sharded
+    optimizer    8P / W     AdamW's two moments, fp32, sharded (Muon keeps one: a bound)
     working      aP         autocast's bf16 copies of the weights (on CUDA), plus, when W > 1,
                  + 8P       the unsharded fp32 weights and gradients FSDP holds while it
                             computes (the layer is gathered per use, the root module for the

@@ -9,6 +9,7 @@ from eagleflow.data.heldout import HELDOUT_MODULUS
 
 LOSSES = ("kl", "lk_hybrid")
 LM_HEADS = ("random", "target", "target_frozen")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class TrainConfig:
     warmup_ratio: float = 0.015  # SpecForge (speculators: 0.01)
     min_lr_ratio: float = 0.0  # both decay to 0 (SpecForge cosine, speculators linear)
     weight_decay: float = 0.01  # speculators' AdamW
+    optimizer: str = "adamw"  # "muon": Muon on the hidden 2D matrices, AdamW on the rest
+    muon_lr: float = 0.0  # Muon's peak lr; 0: `lr` (speculators' default)
+    muon_weight_decay: float = 0.1  # speculators' and torch's Muon
     grad_clip: float = 0.5  # SpecForge `--max-grad-norm` (speculators: 1.0)
     eval_every: int = 500  # steps between validations (and at the end); 0: at the end only
     eval_samples: int = 2048  # held-out samples validated on (a seeded subset); 0: all
@@ -51,6 +55,10 @@ class TrainConfig:
             raise ValueError(f"draft.max_tokens = {self.max_tokens}: must be at least 16")
         if self.loss not in LOSSES:
             raise ValueError(f"draft.loss = {self.loss!r}: one of {', '.join(LOSSES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"draft.optimizer = {self.optimizer!r}: one of {', '.join(OPTIMIZERS)}"
+            )
         if self.lm_head not in LM_HEADS:
             raise ValueError(f"draft.lm_head = {self.lm_head!r}: one of {', '.join(LM_HEADS)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:

@@ -68,6 +68,7 @@ from eagleflow.draft.data import (
 )
 from eagleflow.draft.memory_plan import Workload, check_plan, device_memory, plan_memory
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.optimizer import build_optimizers, set_lr
 from eagleflow.draft.sequence_parallel import split_groups
 from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.states import ServedStates, StreamSource
@@ -230,7 +231,7 @@ def add_noise(aux: torch.Tensor, hidden: int, std: float) -> torch.Tensor:
     return (states + std * rms * torch.randn_like(states)).flatten(1)
 
 
-def train_step(model, head, optim, cfg, batches, micro_steps: int, device, split=None):
+def train_step(model, head, optims, cfg, batches, micro_steps: int, device, split=None):
     """One optimizer step over `micro_steps` packs (read lazily from `batches`): each pack's
     loss / micro_steps is backpropagated, FSDP averages over the ranks, so the update is
     the gradient of the mean pack loss of the global batch. Under `split` a pack's loss is
@@ -248,8 +249,9 @@ def train_step(model, head, optim, cfg, batches, micro_steps: int, device, split
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    optim.step()
-    optim.zero_grad(set_to_none=True)
+    for optim in optims:
+        optim.step()
+        optim.zero_grad(set_to_none=True)
     return loss_sum, packs, sums, float(norm)
 
 
@@ -332,17 +334,17 @@ def trainable(state: dict) -> dict:
 
 
 class ModelAndOptimizer:
-    """Stateful: the draft's trainable weights and the optimizer, FQN-keyed (DCP reshards
+    """Stateful: the draft's trainable weights and its optimizers, FQN-keyed (DCP reshards
     them to any world size, FSDP or not)."""
 
-    def __init__(self, model, optim):
-        self.model, self.optim = model, optim
+    def __init__(self, model, optims):
+        self.model, self.optims = model, optims
 
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(ignore_frozen_params=True)
-        model_state, optim_state = get_state_dict(self.model, self.optim, options=options)
+        model_state, optim_state = get_state_dict(self.model, self.optims, options=options)
         return {"model": trainable(model_state), "optim": optim_state}
 
     def load_state_dict(self, state):
@@ -350,7 +352,7 @@ class ModelAndOptimizer:
 
         set_state_dict(
             self.model,
-            self.optim,
+            self.optims,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
             options=StateDictOptions(strict=False, ignore_frozen_params=True),
@@ -676,10 +678,9 @@ def train(
     head = TargetHead.load(target_dir, vocab.target_ids, dtype=torch.bfloat16).to(device)
     model.to(device)
     mode = parallelize(model, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optims = build_optimizers(model, cfg)
     progress = Progress()
-    state = {"train": ModelAndOptimizer(model, optim), "progress": progress, "rng": RngState()}
+    state = {"train": ModelAndOptimizer(model, optims), "progress": progress, "rng": RngState()}
     recipe = training_recipe(cfg, model.cfg.architecture(), data.layout, vocab)
     checkpoint.clean(out, rank)
     start = resume(out, state, recipe, total, log)
@@ -748,11 +749,11 @@ def train(
     for step in range(start, end):
         t_step = time.perf_counter()
         seen.update(samples=0, tokens=0, wait=0.0)
-        lr = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
-        for group in optim.param_groups:
-            group["lr"] = lr
+        factor = lr_factor(step, total, warmup, cfg.min_lr_ratio)
+        lr = cfg.lr * factor
+        set_lr(optims, factor)
         loss_sum, packs, sums, norm = train_step(
-            model, head, optim, cfg, micro_batches(), sampler.micro_steps, device, split
+            model, head, optims, cfg, micro_batches(), sampler.micro_steps, device, split
         )
         timing["step"] += time.perf_counter() - t_step
         timing["wait"] += seen["wait"]

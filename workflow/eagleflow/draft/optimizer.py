@@ -1,0 +1,60 @@
+"""The draft's optimizers: AdamW over every trainable weight, or Muon over the hidden 2D
+matrices and AdamW over the rest, as speculators 0.9 (`train/optimizers.py`, its default).
+
+Muon orthogonalizes a whole matrix's update (Newton-Schulz). Under FSDP2 a weight is a DTensor
+sharded by rows, and `torch.optim.Muon`'s matrix products and norms are DTensor ops, so they
+run on the whole matrix (the ranks exchange the shards), not on each rank's rows; the
+two-rank test checks that against one rank. Embeddings and the lm_head stay with AdamW
+(Keller Jordan's Muon; speculators alike): their rows are tokens, not directions.
+
+Every param group keeps its peak learning rate in `peak_lr`; the schedule scales it
+(`set_lr`), so Muon's and AdamW's peaks follow one warm-up and decay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagleflow.draft.settings import OPTIMIZERS
+
+ADAMW_NAMES = ("embed_tokens", "lm_head")  # 2D, yet AdamW under Muon
+
+
+def muon_split(model) -> tuple[list, list]:
+    """(Muon's, AdamW's) trainable parameters: Muon takes 2D matrices of at least 2 x 2 whose
+    names are not an embedding's or the lm_head's."""
+    muon, adamw = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        matrix = param.ndim == 2 and min(param.shape) > 1
+        (muon if matrix and not any(n in name for n in ADAMW_NAMES) else adamw).append(param)
+    return muon, adamw
+
+
+def build_optimizers(model, cfg) -> list[torch.optim.Optimizer]:
+    """The optimizers `cfg.optimizer` names, stepped together by the trainer."""
+    if cfg.optimizer == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        optims = [torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    elif cfg.optimizer == "muon":
+        muon, adamw = muon_split(model)
+        optims = []
+        if muon:
+            muon_lr = cfg.muon_lr or cfg.lr
+            optims.append(torch.optim.Muon(muon, lr=muon_lr, weight_decay=cfg.muon_weight_decay))
+        if adamw:
+            optims.append(torch.optim.AdamW(adamw, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    else:
+        raise ValueError(f"draft.optimizer = {cfg.optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    for optim in optims:
+        for group in optim.param_groups:
+            group["peak_lr"] = group["lr"]
+    return optims
+
+
+def set_lr(optims, factor: float) -> None:
+    """Every group's learning rate: its peak times the schedule's `factor`."""
+    for optim in optims:
+        for group in optim.param_groups:
+            group["lr"] = group["peak_lr"] * factor
