@@ -32,8 +32,11 @@ What the speculators arm is given (from `config/config.yaml`'s `draft:` and the 
   - packs of `max_tokens x batch_packs` tokens, one per optimizer step (its trainer takes one
     packed sequence per step), `epochs` epochs: the same tokens per step and about the same
     steps;
-  - AdamW at our lr and weight decay; cosine schedule with our warm-up ratio, its cosine cycles
-    set so that it ends at `min_lr_ratio` of the peak as ours does;
+  - our optimizer (`draft.optimizer`): AdamW at our lr and weight decay, or its Muon at our
+    `muon_lr` and `muon_weight_decay` with torch's lr adjustment ("original", as our
+    `torch.optim.Muon`; its own default is "match_rms_adamw") and AdamW on the rest; cosine
+    schedule with our warm-up ratio, its cosine cycles set so that it ends at `min_lr_ratio` of
+    the peak as ours does;
   - KL loss (`kl_div`, eager implementation), `ttt_steps`, per-step weight `step_weight**k`
     (its `ttt_step_loss_decay`); float32 states and compute (our trainer on CPU: no autocast).
 What stays its own (it has no setting for it): gradient clipping at 1.0 (ours 0.5), its draft
@@ -342,8 +345,11 @@ def train_speculators(conv: Converted, target, vocab_path, cfg, draft, out: Path
         save_path=str(out / "checkpoints"),
         train_call_kwargs=train_kwargs,
         val_call_kwargs=val_kwargs,
-        optimizer="adamw",
+        optimizer=cfg.optimizer,
         weight_decay=cfg.weight_decay,
+        muon_lr=cfg.muon_lr or cfg.lr,
+        muon_weight_decay=cfg.muon_weight_decay,
+        muon_adjust_lr_fn="original",  # torch's Muon default, which ours steps with
         scheduler_type="cosine",
         scheduler_warmup_ratio=cfg.warmup_ratio,
         scheduler_num_cosine_cycles=cosine_cycles(cfg.min_lr_ratio),
