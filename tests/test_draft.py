@@ -462,7 +462,9 @@ def test_two_ranks_train_through_the_rule_as_one_rank_does(extracted_workdir, on
     assert summary["samples_cut"] == 0 and summary["micro_steps_per_rank"] == 1
     assert "torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2" in two["log"]
     assert two["steps"] == one["steps"]
-    torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-4, atol=0)
+    # The default's Muon orthogonalizes in bf16 (torch), where the ranks' gradient sums, added
+    # in another order, round apart; AdamW runs agree to 1e-5 (test_train_distributed.py).
+    torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-3, atol=0)
     for key in ("tokens_trained", "samples_trained", "best_step"):
         assert summary[key] == one["summary"][key], key
     al = [r["acceptance"]["results"]["vllm_eagle3"]["acceptance_length"] for r in (one, two)]
