@@ -52,8 +52,8 @@ ARMS = {
     "lr_1e-4": ({"lr": 1e-4}, {}),  # the anchors' learning rate
     "lm_head_target": ({"lm_head": "target"}, {}),
     "lm_head_target_frozen": ({"lm_head": "target_frozen"}, {}),  # speculators' draft
-    "muon": ({"optimizer": "muon"}, {}),  # speculators' default optimizer, at its lr = ours
-    "muon_lr_0.02": ({"optimizer": "muon", "muon_lr": 0.02}, {}),  # Keller Jordan's Muon lr
+    "adamw": ({"optimizer": "adamw"}, {}),  # the published recipes' (the default is Muon)
+    "muon_lr_3e-3": ({"muon_lr": 3e-3}, {}),  # Muon at the AdamW lr, speculators' CLI default
 }
 
 

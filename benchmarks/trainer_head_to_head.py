@@ -347,7 +347,7 @@ def train_speculators(conv: Converted, target, vocab_path, cfg, draft, out: Path
         val_call_kwargs=val_kwargs,
         optimizer=cfg.optimizer,
         weight_decay=cfg.weight_decay,
-        muon_lr=cfg.muon_lr or cfg.lr,
+        muon_lr=cfg.muon_lr,
         muon_weight_decay=cfg.muon_weight_decay,
         muon_adjust_lr_fn="original",  # torch's Muon default, which ours steps with
         scheduler_type="cosine",

@@ -41,8 +41,9 @@ def build_optimizers(model, cfg) -> list[torch.optim.Optimizer]:
         muon, adamw = muon_split(model)
         optims = []
         if muon:
-            muon_lr = cfg.muon_lr or cfg.lr
-            optims.append(torch.optim.Muon(muon, lr=muon_lr, weight_decay=cfg.muon_weight_decay))
+            optims.append(
+                torch.optim.Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay)
+            )
         if adamw:
             optims.append(torch.optim.AdamW(adamw, lr=cfg.lr, weight_decay=cfg.weight_decay))
     else:

@@ -34,7 +34,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # both decay to 0 (SpecForge cosine, speculators linear)
     weight_decay: float = 0.01  # speculators' AdamW
     optimizer: str = "adamw"  # "muon": Muon on the hidden 2D matrices, AdamW on the rest
-    muon_lr: float = 0.0  # Muon's peak lr; 0: `lr` (speculators' default)
+    muon_lr: float = 0.02  # Muon's peak lr (Keller Jordan's; speculators' TrainerConfig)
     muon_weight_decay: float = 0.1  # speculators' and torch's Muon
     grad_clip: float = 0.5  # SpecForge `--max-grad-norm` (speculators: 1.0)
     eval_every: int = 500  # steps between validations (and at the end); 0: at the end only
@@ -59,6 +59,8 @@ class TrainConfig:
             raise ValueError(
                 f"draft.optimizer = {self.optimizer!r}: one of {', '.join(OPTIMIZERS)}"
             )
+        if self.muon_lr <= 0:
+            raise ValueError(f"draft.muon_lr = {self.muon_lr}: must be above 0")
         if self.lm_head not in LM_HEADS:
             raise ValueError(f"draft.lm_head = {self.lm_head!r}: one of {', '.join(LM_HEADS)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
