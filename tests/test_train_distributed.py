@@ -238,6 +238,8 @@ def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_pat
     assert one["steps"] == 6
     with pytest.raises(ValueError, match="draft.optimizer = 'sgd'"):
         TrainConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="draft.muon_lr = 0: must be above 0"):
+        TrainConfig(muon_lr=0)
 
 
 MUON_STEP = """
