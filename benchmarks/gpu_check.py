@@ -256,9 +256,10 @@ class DraftRig(NamedTuple):
     def step(self, batch) -> float:
         """One optimizer step on one pack exactly as the trainer takes it (states dequantized
         on the device, autocast bf16 on CUDA, clipped update); the pack's loss."""
-        return train_step(self.model, self.head, self.optims, self.train, [batch], 1, self.device)[
-            0
-        ]
+        loss, *_ = train_step(
+            self.model, self.head, self.optims, self.train, [batch], 1, self.device
+        )
+        return loss
 
     @property
     def device(self) -> torch.device:

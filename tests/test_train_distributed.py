@@ -224,8 +224,9 @@ def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_pat
     assert all(p.ndim == 2 for p in muon)
     assert "lm_head.weight" in {names[id(p)] for p in adamw}
     cfg = TrainConfig(**{**CONFIG, "optimizer": "muon", "muon_lr": 0.02})
-    assert [type(o).__name__ for o in build_optimizers(draft, cfg)] == ["Muon", "AdamW"]
-    assert build_optimizers(draft, cfg)[0].param_groups[0]["peak_lr"] == 0.02
+    optims = build_optimizers(draft, cfg)
+    assert [type(o).__name__ for o in optims] == ["Muon", "AdamW"]
+    assert optims[0].param_groups[0]["peak_lr"] == 0.02
 
     # Newton-Schulz runs in bf16: the ranks' sums round otherwise than one process's
     one = run_here(data, tmp_path / "one", optimizer="muon", muon_lr=0.02)
@@ -276,7 +277,7 @@ def test_muon_on_a_row_sharded_matrix_steps_the_whole_matrix(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r"whole=(\S+) own_rows=(\S+)", proc.stdout)
     whole, own_rows = float(found[1]), float(found[2])
-    assert whole < 2e-3 < 1e-2 < own_rows, proc.stdout
+    assert whole < 2e-3 and own_rows > 1e-2, proc.stdout
 
 
 def test_sequence_parallel_must_divide_the_ranks(data, tmp_path):
