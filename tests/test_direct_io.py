@@ -151,7 +151,8 @@ def test_the_pool_hands_a_buffer_out_again_only_once_its_last_view_is_gone():
     assert second.data_ptr() != first_ptr and pool.reused == 0
     writer = threading.Thread(target=with_writer.clear)  # the writer drops the last view
     writer.start()
-    writer.join()
+    writer.join(timeout=60)
+    assert not writer.is_alive()
     third = direct_io.aligned_empty((ALIGN,), torch.uint8, pool)  # smaller: the first fits
     assert (third.data_ptr(), pool.reused) == (first_ptr, 1)
     del second, third

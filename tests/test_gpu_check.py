@@ -77,4 +77,6 @@ def test_gpu_check_imports_without_vllm():
         f"spec = importlib.util.spec_from_file_location('g', {script!r}); "
         "spec.loader.exec_module(importlib.util.module_from_spec(spec))"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300
+    )

@@ -158,7 +158,8 @@ def test_a_write_in_flight_is_waited_for(tmp_path):
     data = read_request_file(path)  # sleeps on the lock until the writer releases it
     assert time.perf_counter() - t0 > 0.3
     assert torch.equal(data["hidden_states"], truth[0])
-    writer.join()
+    writer.join(timeout=60)
+    assert not writer.is_alive()
 
 
 def test_mismatches_are_refused_naming_the_request(tmp_path):

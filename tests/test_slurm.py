@@ -78,7 +78,8 @@ def profile_home(tmp_path_factory):
     envs/setup-cpu.sh) links `snakemake/slurm` to profiles/slurm, as on a user's machine."""
     home = tmp_path_factory.mktemp("xdg-config")
     env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
-    subprocess.run(["bash", str(REPO / "envs" / "link-slurm-profile.sh")], check=True, env=env)
+    link = ["bash", str(REPO / "envs" / "link-slurm-profile.sh")]
+    subprocess.run(link, check=True, env=env, timeout=60)
     assert (home / "snakemake" / "slurm").resolve() == REPO / "profiles" / "slurm"
     return home
 
@@ -146,6 +147,7 @@ def sacct(job_ids) -> dict:
         capture_output=True,
         text=True,
         check=True,
+        timeout=60,
     ).stdout
     rows = [line.split("|") for line in out.splitlines() if line.strip()]
     return {
@@ -330,6 +332,7 @@ def test_train_draft_runs_as_one_job_with_a_task_per_rank(runs, profile_home):
         capture_output=True,
         text=True,
         check=True,
+        timeout=60,
     ).stdout.split()
     # the batch step runs Snakemake and the script; step 0 is the ranks' srun
     assert f"{job}.0|2|COMPLETED" in steps, steps

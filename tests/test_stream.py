@@ -309,7 +309,7 @@ def test_a_server_in_another_process_is_reached_over_tcp(tmp_path, server_env):
         assert "engine: starting" not in spec.log_path.read_text()
     finally:
         os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        server.wait(timeout=60)
 
 
 def train_config(steps, **kw):

@@ -321,20 +321,31 @@ def test_more_epochs_resume_the_run_and_a_changed_recipe_restarts_it(data, tmp_p
 def test_sigkill_of_one_rank_fails_the_job_by_rank_and_the_rerun_resumes(data, tmp_path):
     out = tmp_path / "run"
     cmd = torchrun_command(data, out, 2, epochs=40)  # 80 steps
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # output to files: a full pipe nobody reads would stall the ranks
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=o, stderr=e, text=True)
     try:
         deadline = time.time() + 120
         while not any((out / "checkpoints").glob("step-*[0-9]")):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            if proc.poll() is not None or time.time() > deadline:
+                kill_tree(proc.pid)
+                proc.wait(timeout=60)
+                raise AssertionError(
+                    f"no checkpoint in 120 s (torchrun exit {proc.returncode}):\n"
+                    + stdout.read_text()[-3000:]
+                    + stderr.read_text()[-6000:]
+                )
             time.sleep(0.1)
         victim = rank_pid(proc.pid, 1)
         os.kill(victim, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
-        proc.kill()
+        kill_tree(proc.pid)
+    err = stderr.read_text()
     assert proc.returncode != 0
-    assert re.search(r"Root Cause.*rank\s*: 1 \(local_rank: 1\)", stderr, re.S), stderr[-3000:]
-    assert "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    assert re.search(r"Root Cause.*rank\s*: 1 \(local_rank: 1\)", err, re.S), err[-3000:]
+    assert "Signal 9 (SIGKILL)" in err, err[-3000:]
     done = sorted(d.name for d in (out / "checkpoints").iterdir() if d.name[-1].isdigit())
     assert len(done) == 1
     rerun = torchrun(data, out, 2, epochs=40)
@@ -344,15 +355,85 @@ def test_sigkill_of_one_rank_fails_the_job_by_rank_and_the_rerun_resumes(data, t
     assert len(losses(out)) == 80
 
 
+def test_a_stalled_data_worker_fails_the_rank_by_name_with_every_stack(tmp_path):
+    """draft.stall_timeout: the training loader's worker sleeps forever from its 5th pack (step
+    3, after the checkpoint of step 2); the watchdog fails the rank within the limit, naming it
+    and what it waited for, with every thread's stack, and leaves no worker behind (the
+    captured output would stay open)."""
+    script = REPO / "tests" / "support" / "stalling_trainer.py"
+    env = dict(ENV, PYTHONPATH=f"{REPO / 'workflow'}:{REPO / 'tests'}")
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "5", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took, err = time.time() - t0, proc.stderr
+    assert proc.returncode == 1, proc.stdout[-2000:] + err[-4000:]
+    assert "finished without a stall" not in proc.stdout
+    named = (
+        r"rank 0 \(pid \d+\) stalled: it waited \d+ s for the training loader's next pack, "
+        r"beyond draft.stall_timeout = 3 s"
+    )
+    assert re.search(named, err), err[-4000:]
+    assert "Thread 0x" in err and "(most recent call first)" in err, err[-4000:]
+    assert "in micro_batches" in err, err[-4000:]  # the main thread, where it waited
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()  # the rerun resumes
+    assert took < 60, took
+
+
+def test_the_stall_limit_grows_with_the_slowest_step_above_its_floor():
+    from eagleflow.draft.watchdog import STALL_FLOOR_S, STALL_STEP_FACTOR, Watchdog
+
+    auto, fixed = Watchdog(0), Watchdog(0, timeout_s=5)
+    try:
+        assert auto.limit_s == STALL_FLOOR_S and fixed.limit_s == 5
+        auto.step_took(1.0)
+        assert auto.limit_s == STALL_FLOOR_S
+        auto.step_took(STALL_FLOOR_S / STALL_STEP_FACTOR * 2)
+        assert auto.limit_s == 2 * STALL_FLOOR_S
+        fixed.step_took(100.0)
+        assert fixed.limit_s == 5
+        with auto.waiting("a step"):
+            with auto.waiting("the next pack"):
+                assert auto._current[0] == "the next pack"
+            assert auto._current[0] == "a step"  # the enclosing wait again
+        assert auto._current is None
+    finally:
+        auto.close()
+        fixed.close()
+    with pytest.raises(ValueError, match="draft.stall_timeout = -1"):
+        TrainConfig(stall_timeout=-1)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it (torchrun's ranks and their data workers)."""
+    for child in children(pid):
+        kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def children(pid: int) -> list[int]:
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        return [int(c) for t in tasks for c in (t / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
 def rank_pid(agent: int, rank: int) -> int:
     """The pid of torchrun's worker process for `rank` (a child of the agent)."""
-    tasks = Path(f"/proc/{agent}/task").iterdir()
-    children = [pid for t in tasks for pid in (t / "children").read_text().split()]
-    for pid in children:
+    pids = children(agent)
+    for pid in pids:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no rank {rank} among {children}")
+            return pid
+    raise AssertionError(f"no rank {rank} among {pids}")
 
 
 # ---------------------------------------------------------------- long samples

@@ -39,7 +39,7 @@ def test_fixed_worker_extension_applies_the_fix_where_it_is_imported():
         "cpu_rope_3d_is_wrong(); "
         "import eagleflow.engine.fixed_worker; assert not cpu_rope_3d_is_wrong()"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -55,5 +55,5 @@ def test_worker_extension_asks_for_amx_where_it_is_imported():
         "from eagleflow.engine.vllm_fixes import amx_permitted; assert not amx_permitted(); "
         "import eagleflow.engine.fixed_worker; assert amx_permitted()"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

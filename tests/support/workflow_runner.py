@@ -114,7 +114,7 @@ def run_and_kill(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=60)
         if log:
             out.close()
     if unlock:

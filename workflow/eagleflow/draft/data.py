@@ -502,16 +502,11 @@ class PackDataset(Dataset):
         return batch
 
 
-def data_loader(
-    dataset, sampler, num_workers: int, prefetch_factor: int, pin: bool, once: bool = False
-):
+def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: bool):
     """Workers read and build the packs ahead of the step; the pinned host copy lets the
-    device copy run asynchronously. `once` (the held-out loader, iterated at every
-    validation): its workers are forked once, at the first validation, and live through the
-    run: a worker forked while the training loader's queue threads run can deadlock before it
-    runs any Python, so fork as rarely as possible. Not a forkserver: its workers' parent is
-    the forkserver, so they outlive a killed rank and hold its output open."""
-    kw = {"persistent_workers": True} if once and num_workers else {}
+    device copy run asynchronously. num_workers 0: the packs are read in this process (the
+    held-out loader: a worker forked once threads run can deadlock before it runs any
+    Python, docs/draft-training.md, "Data loading")."""
     return DataLoader(
         dataset,
         sampler=sampler,
@@ -519,5 +514,4 @@ def data_loader(
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None,
         pin_memory=pin,
-        **kw,
     )

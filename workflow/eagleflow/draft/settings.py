@@ -45,6 +45,7 @@ class TrainConfig:
     prefetch_factor: int = 4  # packs each worker reads ahead (speculators)
     device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is there, else cpu
     device_memory_gb: float = 0.0  # the memory plan's limit; 0: the device's own (CUDA)
+    stall_timeout: float = 0.0  # s a rank may wait before it fails; 0: sized from its steps
     heldout_modulus: int = HELDOUT_MODULUS  # held-out samples (eagleflow.data.heldout)
 
     def __post_init__(self):
@@ -59,6 +60,11 @@ class TrainConfig:
             raise ValueError(
                 f"draft.optimizer = {self.optimizer!r}: one of {', '.join(OPTIMIZERS)}"
             )
+        if self.stall_timeout < 0:
+            raise ValueError(
+                f"draft.stall_timeout = {self.stall_timeout}: seconds above 0, or 0 for the "
+                "automatic limit"
+            )
         if self.muon_lr <= 0:
             raise ValueError(f"draft.muon_lr = {self.muon_lr}: must be above 0")
         if self.lm_head not in LM_HEADS:
@@ -71,4 +77,4 @@ class TrainConfig:
 # (resumed when the checkpoint lies within it) and settings that do not touch the weights.
 EXTENT_KEYS = ("epochs", "max_steps")
 RUNTIME_KEYS = ("eval_every", "eval_samples", "save_every", "num_workers", "prefetch_factor")
-RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel")
+RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeout")

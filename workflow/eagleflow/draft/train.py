@@ -73,6 +73,7 @@ from eagleflow.draft.sequence_parallel import split_groups
 from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.states import ServedStates, StreamSource
 from eagleflow.draft.vocab import DraftVocab
+from eagleflow.draft.watchdog import Watchdog
 from eagleflow.target.head import (
     EMBED,
     LM_HEAD,
@@ -256,11 +257,15 @@ def train_step(model, head, optims, cfg, batches, micro_steps: int, device, spli
 
 
 @torch.no_grad()
-def evaluate(model, head, loader, cfg: TrainConfig, device, split=None) -> dict | None:
-    """`validation_metrics` over the held-out packs of every rank (None without any)."""
+def evaluate(
+    model, head, loader, cfg: TrainConfig, device, split=None, beat=lambda: None
+) -> dict | None:
+    """`validation_metrics` over the held-out packs of every rank (None without any);
+    `beat()` after each pack (the stall watchdog's sign of progress)."""
     model.eval()
     sums = [StepStats() for _ in range(cfg.ttt_steps)]
     for batch in loader:
+        beat()
         batch = batch.to(device, non_blocking=True)
         _, stats = pack_loss(model, head, batch, cfg, device, split)
         sums = [a + b for a, b in zip(sums, stats)]
@@ -631,12 +636,11 @@ class TrainData:
         dataset = PackDataset(self.layout, self.table, steps, part, parts, oov, served)
         held_dataset = PackDataset(self.layout, self.table, steps, part, parts, None, served)
         sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
-        workers = (cfg.num_workers, cfg.prefetch_factor, pin)
         held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
         return (
-            data_loader(dataset, sampler, *workers),
+            data_loader(dataset, sampler, cfg.num_workers, cfg.prefetch_factor, pin),
             sampler,
-            data_loader(held_dataset, held, *workers, once=True),
+            data_loader(held_dataset, held, 0, cfg.prefetch_factor, pin),  # no fork: see there
         )
 
 
@@ -704,7 +708,10 @@ def train(
     def keep_if_best(step):
         """Validate; keep the draft in best/ when its simulated acceptance length is the best
         so far (without held-out samples: the last draft)."""
-        metrics = evaluate(model, head, val_loader, cfg, device, split)
+        t = time.perf_counter()
+        with watchdog.waiting(f"the validation at step {step} (held-out packs, all-reduce)"):
+            metrics = evaluate(model, head, val_loader, cfg, device, split, watchdog.beat)
+        timing["validation"] += time.perf_counter() - t
         if metrics is not None:
             files.validation(step, metrics)
             log(
@@ -727,19 +734,23 @@ def train(
                 "validation": metrics,
                 "recipe": recipe,
             }
-            checkpoint.save_best(full_weights(model), meta, out, rank)
+            with watchdog.waiting(f"saving the best draft of step {step}"):
+                checkpoint.save_best(full_weights(model), meta, out, rank)
 
     t0 = time.time()
-    timing = {"wait": 0.0, "step": 0.0}  # this run's seconds waiting for data, and stepping
+    # this run's seconds waiting for data, stepping, and validating
+    timing = {"wait": 0.0, "step": 0.0, "validation": 0.0}
     seen = {"samples": 0, "tokens": 0, "wait": 0.0}  # this step's
     tokens_run = 0
-    batches = iter(loader)
+    batches = iter(loader)  # forks the training loader's workers: before any thread starts
+    watchdog = Watchdog(rank, cfg.stall_timeout)
 
     def micro_batches():
         """This step's packs, timing the wait for each and counting what they train."""
         for _ in range(sampler.micro_steps):
             t = time.perf_counter()
-            batch = next(batches).to(device, non_blocking=True)
+            with watchdog.waiting("the training loader's next pack"):
+                batch = next(batches).to(device, non_blocking=True)
             seen["wait"] += time.perf_counter() - t
             seen["samples"] += batch.samples
             seen["tokens"] += batch.trained_tokens
@@ -752,15 +763,17 @@ def train(
         factor = lr_factor(step, total, warmup, cfg.min_lr_ratio)
         lr = cfg.lr * factor
         set_lr(optims, factor)
-        loss_sum, packs, sums, norm = train_step(
-            model, head, optims, cfg, micro_batches(), sampler.micro_steps, device, split
-        )
+        with watchdog.waiting(f"step {step + 1}: forward, backward and the gradient all-reduce"):
+            loss_sum, packs, sums, norm = train_step(
+                model, head, optims, cfg, micro_batches(), sampler.micro_steps, device, split
+            )
+            loss_sum, packs, samples, tokens, wait = all_reduce_sums(
+                [loss_sum, packs, seen["samples"], seen["tokens"], seen["wait"]], device
+            )
+            sums = all_reduce_stats(sums, device)
+        watchdog.step_took(time.perf_counter() - t_step - seen["wait"])
         timing["step"] += time.perf_counter() - t_step
         timing["wait"] += seen["wait"]
-        loss_sum, packs, samples, tokens, wait = all_reduce_sums(
-            [loss_sum, packs, seen["samples"], seen["tokens"], seen["wait"]], device
-        )
-        sums = all_reduce_stats(sums, device)
         progress.step = step + 1
         progress.tokens_trained += int(tokens)
         progress.samples_trained += int(samples)
@@ -782,7 +795,8 @@ def train(
             keep_if_best(step + 1)
         if (step + 1) % cfg.save_every == 0 or step + 1 == total:
             files.save_rows()
-            checkpoint.save(state, out, step + 1, recipe, rank)
+            with watchdog.waiting(f"saving the checkpoint of step {step + 1}"):
+                checkpoint.save(state, out, step + 1, recipe, rank)
             files.checkpointed(
                 {
                     "step": step + 1,
@@ -794,11 +808,13 @@ def train(
                 }
             )
     if end < total:  # stopped as a crash would
+        watchdog.close()
         return {"start_step": start, "end_step": end, "world_size": world}
     if start == total and not (out / checkpoint.BEST).exists():  # finished, best/ lost
         keep_if_best(total)
 
-    wait_s, step_s = all_reduce_sums([timing["wait"], timing["step"]], device)
+    with watchdog.waiting("the run's final figures (all-reduce)"):
+        wait_s, step_s = all_reduce_sums([timing["wait"], timing["step"]], device)
     table, best = data.table, progress.best or {}
     summary = {
         "world_size": world,
@@ -831,13 +847,16 @@ def train(
         },
         "validation_loss": best.get("loss"),
         "data_wait_share": wait_s / step_s if step_s else 0.0,
+        "validation_seconds": timing["validation"],
         "seconds": time.time() - t0,
         "tokens_per_second": tokens_run / max(time.time() - t0, 1e-9),
         "last": files.rows[-1] if files.rows else None,
     }
     files.finished(summary)
     if dist.is_initialized():
-        dist.barrier()
+        with watchdog.waiting("the other ranks at the end (barrier)"):
+            dist.barrier()
+    watchdog.close()
     return summary
 
 

@@ -64,6 +64,12 @@ BACKLOG = 256  # connections a server's listener queues while it serves one
 # A `states` request is one pack's prefill (seconds); no answer for this long means the
 # server's host is gone without closing the connection (a lost node).
 STATES_TIMEOUT_S = 1800
+# A `prefill` request sends a progress line per chunk (seconds each): the same silence limit.
+# A `generate` round sends nothing until its replies are done (at most max_num_seqs prompts
+# decoding max_new_tokens at a time, minutes), so it gets the load's limit: a round that never
+# ends still ends.
+PREFILL_SILENCE_S = STATES_TIMEOUT_S
+GENERATE_TIMEOUT_S = READY_TIMEOUT_S
 
 
 def snakemake_ancestor(pid: int | None = None) -> int | None:
@@ -542,7 +548,8 @@ class EngineClient:
             "hidden": str(Path(hidden_path).resolve()),
             "chunk_tokens": chunk_tokens,
         }
-        return self._request("prefill", request, "prefilling this shard", progress)
+        doing = "prefilling this shard"
+        return self._request("prefill", request, doing, progress, timeout=PREFILL_SILENCE_S)
 
     def states(self, request: dict) -> dict:
         """One pack's captured states (`eagleflow.extract.stream.StreamCapture.handle`)."""
@@ -556,4 +563,5 @@ class EngineClient:
             "prompts": [[int(t) for t in p] for p in prompts],
             "max_new_tokens": max_new_tokens,
         }
-        return self._request("generate", request, "generating this shard's replies")
+        doing = "generating this shard's replies"
+        return self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
