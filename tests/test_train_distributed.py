@@ -28,6 +28,8 @@ from support import split_pack
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
+# Each test takes seconds to a minute; a hung rank fails its test long before the suite's limit.
+pytestmark = pytest.mark.timeout(300)
 # 2 x 12 samples of 6-13 tokens in packs of 64: 4 packs an epoch, 2 steps of 2 packs
 CONFIG = dict(
     epochs=3,
