@@ -21,7 +21,7 @@ from eagleflow.regenerate.shard import Regeneration, SourceShard, regenerate_sou
 from eagleflow.regenerate.sources import split_sources
 from eagleflow.serve.client import LOADED, EngineClient, ServerSpec, alive, registry_dir
 from support.datasets import rows_of, write_jsonl
-from support.fake_engine_server import DIE, FAIL, reply
+from support.fake_engine_server import DIE, FAIL, HANG, reply
 from support.regeneration import IDENTITY, shard_files
 from support.workflow_runner import REPO
 
@@ -159,6 +159,26 @@ def test_a_failed_request_or_a_dead_server_fails_the_job_with_the_reason(spec):
     assert f"the engine server (pid {client.server_pid}) died while generating" in message
     assert "its log" in message and LOADED in message  # the server log's tail
     client.__exit__(None, None, None)
+
+
+def test_a_server_silent_past_its_limit_fails_the_job_instead_of_holding_it(spec, monkeypatch):
+    """An engine that hangs (or a host lost without closing the connection) sends nothing: the
+    job fails after the request's limit, naming the server and its log, instead of waiting to
+    its time limit."""
+    import eagleflow.serve.client as client_module
+
+    spec, started = spec
+    monkeypatch.setattr(client_module, "GENERATE_TIMEOUT_S", 2)
+    client = connect(spec, started)
+    t0 = time.time()
+    with pytest.raises(RuntimeError) as e:
+        client.generate([[HANG]], 8)
+    assert time.time() - t0 < 30
+    message = str(e.value)
+    assert f"the engine server (pid {client.server_pid}) sent nothing for 2 s" in message
+    assert "while generating this shard's replies" in message and LOADED in message
+    client.__exit__(None, None, None)
+    assert client_module.PREFILL_SILENCE_S == client_module.STATES_TIMEOUT_S  # seconds a chunk
 
 
 def test_a_job_about_to_load_an_engine_first_stops_the_idle_servers_of_its_run(spec, tmp_path):

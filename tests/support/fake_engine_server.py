@@ -4,11 +4,13 @@ whose replies are a function of the prompt. Started the way a job starts the rea
 (`python -m support.fake_engine_server SPEC`, by an `EngineClient` given this `server_module`)."""
 
 import os
+import time
 
 from eagleflow.serve.server import serve, spec_from_command_line
 
 FAIL = 100_001  # a prompt holding this id makes the engine raise
 DIE = 100_002  # ... makes the server process die in the middle of the request
+HANG = 100_003  # ... makes the engine hang, alive and silent (a lost host looks the same)
 
 
 def reply(prompt, max_new_tokens: int) -> tuple[str, str, int]:
@@ -26,6 +28,8 @@ class FakeEngine:
                 raise RuntimeError("the fake engine failed")
             if DIE in p:
                 os._exit(3)
+            if HANG in p:
+                time.sleep(10**6)
         print(f"generate: {len(req['prompts'])} prompts answered", flush=True)
         return [reply(p, req["max_new_tokens"]) for p in req["prompts"]]
 
