@@ -1,3 +1,9 @@
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 
 from support.target_configs import DEEPSEEK_V3, fake_checkpoint
@@ -32,16 +38,34 @@ def fake_deepseek_v3(tmp_path, tokenizer_dir):
     )
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(directory)` done once per test run, by whichever process asks first (pytest-xdist
+    workers wait on a lock meanwhile), in a directory every worker sees; tests read it, or
+    work on a copy (`support.workflow_runner.copy_workdir`)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # shared by the run's workers
+    directory, done = base / name, base / f"{name}.built"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when its holder ends, however it ends
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def extracted_workdir(tmp_path_factory):
-    """The embedded default (small: 4 shards) extracted once through real vLLM, shared by tests
-    that only read it; tests that change it work on a copy (`copy_workdir`)."""
-    import time
-
+    """The embedded default (small: 4 shards) extracted once per test run through real vLLM,
+    shared by the tests that read it; tests that run Snakemake on it or change it work on a
+    copy (`copy_workdir`)."""
     from support.workflow_runner import SMALL, snakemake
 
-    workdir = tmp_path_factory.mktemp("run")
-    t0 = time.time()
-    snakemake(workdir, "extract", config=SMALL)
-    print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
-    return workdir
+    def extract(workdir):
+        t0 = time.time()
+        snakemake(workdir, "extract", config=SMALL)
+        print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
+
+    return built_once(tmp_path_factory, "extracted-default", extract)

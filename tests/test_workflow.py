@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from eagleflow.capture.plan import CapturePlan, Strategy
-from support.workflow_runner import SMALL, hidden_dir, snakemake
+from support.workflow_runner import SMALL, copy_workdir, hidden_dir, snakemake
 
 
 def test_unknown_config_key_stops_the_run_naming_it(tmp_path):
@@ -72,14 +72,15 @@ def test_extract_end_to_end_through_real_vllm(extracted_workdir):
 
 
 @pytest.mark.vllm
-def test_rerun_does_nothing_even_after_touching_inputs(extracted_workdir):
+def test_rerun_does_nothing_even_after_touching_inputs(extracted_workdir, tmp_path):
+    work = copy_workdir(extracted_workdir, tmp_path / "w")  # the shared run stays untouched
     later = time.time() + 5
     for p in [
-        extracted_workdir / "resources" / "data" / "bundled-chat.jsonl",
-        *(extracted_workdir / "resources" / "targets" / "tiny-deepseek-v3").iterdir(),
+        work / "resources" / "data" / "bundled-chat.jsonl",
+        *(work / "resources" / "targets" / "tiny-deepseek-v3").iterdir(),
     ]:
         os.utime(p, (later, later))
-    proc = snakemake(extracted_workdir, "extract", config=SMALL)
+    proc = snakemake(work, "extract", config=SMALL)
     assert "Nothing to be done" in proc.stdout + proc.stderr, (
         proc.stdout[-3000:] + proc.stderr[-3000:]
     )
