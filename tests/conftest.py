@@ -69,3 +69,17 @@ def extracted_workdir(tmp_path_factory):
         print(f"end-to-end extract on the small default: {time.time() - t0:.0f} s")
 
     return built_once(tmp_path_factory, "extracted-default", extract)
+
+
+def pytest_collection_modifyitems(items):
+    """The heaviest modules first (those with SLURM tests, then those with vLLM tests), each
+    module's tests in their own order: under pytest-xdist (`--dist loadfile`) a long module
+    then starts early instead of running alone at the end."""
+    weight = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        marks = {m.name for m in item.iter_markers()}
+        rank = 0 if "slurm" in marks else 1 if "vllm" in marks else 2
+        weight[module] = min(weight.get(module, 2), rank)
+    order = {m: i for i, m in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
+    items.sort(key=lambda i: (weight[i.nodeid.split("::")[0]], order[i.nodeid.split("::")[0]]))
