@@ -592,6 +592,7 @@ def perturbed_export(tiny, out, norm_before_residual, seed, **arch):
     return draft, vocab
 
 
+@pytest.mark.slow
 def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
     """eagleflow's TTT forward (what training optimises) against vLLM 0.32's own
     Eagle3LlamaForCausalLM loaded from the export (config translation, load_weights, d2t,
@@ -653,6 +654,7 @@ def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
 # ---------------------------------------------------------------- held-out split and acceptance
 
 
+@pytest.mark.slow
 def test_heldout_split_is_by_content_hash_and_stable():
     from eagleflow.data.conversations import Conversation
     from eagleflow.data.heldout import heldout_prompts, is_heldout, split

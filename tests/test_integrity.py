@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from eagleflow.store.integrity import check_finished_shards, set_aside_incomplete_manifest
 from support.synthetic import FP, make_extracted_shard, make_token_shards
 
@@ -105,6 +107,7 @@ def test_an_unreadable_manifest_is_set_aside(tmp_path):
     assert "is unreadable" in messages[0]
 
 
+@pytest.mark.slow
 def test_deleted_token_shard_makes_the_workflow_reshard(tmp_path):
     """End to end, sharding only (no model): a token shard deleted by hand while the manifest
     stays re-shards instead of failing every later run with a MissingInputException."""

@@ -1,9 +1,12 @@
 """`snakemake progress` (what extraction has left to do) in a fresh directory: it shards first,
 then reads the target (the embedded one is built on the way), and loads no model."""
 
+import pytest
+
 from support.workflow_runner import SMALL, snakemake
 
 
+@pytest.mark.slow
 def test_progress_in_a_fresh_directory(tmp_path):
     snakemake(tmp_path, "progress", config=SMALL)
     report = (tmp_path / "results" / "logs" / "progress.log").read_text()
@@ -11,6 +14,7 @@ def test_progress_in_a_fresh_directory(tmp_path):
     assert "estimated time: unknown until a shard has been extracted" in report
 
 
+@pytest.mark.slow
 def test_progress_reports_regeneration_without_running_it(tmp_path):
     from support.workflow_runner import merged
 

@@ -162,6 +162,7 @@ def test_validate_env_states_the_cost_and_checks_only_the_bytes_the_mode_writes(
     assert "at most draft.cache_bytes" in disk["cached"]["detail"]
 
 
+@pytest.mark.slow
 def test_progress_states_the_cost_of_the_configured_mode(tmp_path):
     from support.workflow_runner import SMALL, merged, snakemake
 

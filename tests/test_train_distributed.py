@@ -103,6 +103,7 @@ def assert_same_draft(a, b, atol=1e-5):
 # ---------------------------------------------------------------- distributed runs
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_steps_of_one_rank_with_the_same_global_batch(data, tmp_path):
     """2 ranks x 1 pack (FSDP on gloo) against 1 rank accumulating 2 packs."""
     one = run_here(data, tmp_path / "one")
@@ -139,6 +140,7 @@ def test_two_ranks_take_the_steps_of_one_rank_with_the_same_global_batch(data, t
     assert "step 6" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention,checkpointing", [("flex", "0"), ("flex", "1"), ("eager", "0")])
 def test_a_pack_split_over_two_ranks_gives_the_whole_packs_loss_and_gradients(
     tmp_path, attention, checkpointing
@@ -163,6 +165,7 @@ def test_a_pack_split_over_two_ranks_gives_the_whole_packs_loss_and_gradients(
         torch.testing.assert_close(split["grads"][name], grad, rtol=1e-8, atol=1e-11, msg=name)
 
 
+@pytest.mark.slow
 def test_two_ranks_sharing_each_pack_take_the_steps_of_one_rank(tmp_path):
     """draft.sequence_parallel: 2 on 2 ranks: every pack split in two slices of 256 anchors
     (each rank reads only its slice's rows and scales of fp8 shards); the same packs, losses and
@@ -193,6 +196,7 @@ def test_two_ranks_sharing_each_pack_take_the_steps_of_one_rank(tmp_path):
     assert_same_draft(tmp_path / "one", tmp_path / "split")
 
 
+@pytest.mark.slow
 def test_a_frozen_target_lm_head_trains_alike_on_one_and_two_ranks_and_stays_the_targets(
     data, tmp_path
 ):
@@ -213,6 +217,7 @@ def test_a_frozen_target_lm_head_trains_alike_on_one_and_two_ranks_and_stays_the
     assert one["steps"] == 6
 
 
+@pytest.mark.slow
 def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_path):
     """draft.optimizer: muon. Under FSDP each rank holds rows of a matrix; Muon's update is the
     whole matrix's (DTensor ops), so two ranks take one rank's steps. AdamW takes others."""
@@ -267,6 +272,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_muon_on_a_row_sharded_matrix_steps_the_whole_matrix(tmp_path):
     """FSDP2 shards a weight by rows (DTensor Shard(0)); torch's Muon on that DTensor updates
     it as the whole matrix, not as each rank's rows orthogonalized alone."""
@@ -287,6 +293,7 @@ def test_sequence_parallel_must_divide_the_ranks(data, tmp_path):
         run_here(data, tmp_path / "out", sequence_parallel=2)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_world_sizes(data, tmp_path):
     """1 rank -> 2 ranks -> 1 rank, each run stopped as a crash would: the same draft as an
     uninterrupted run."""
@@ -320,6 +327,7 @@ def test_more_epochs_resume_the_run_and_a_changed_recipe_restarts_it(data, tmp_p
     assert "train_config.lr changed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_fails_the_job_by_rank_and_the_rerun_resumes(data, tmp_path):
     out = tmp_path / "run"
     cmd = torchrun_command(data, out, 2, epochs=40)  # 80 steps
@@ -357,6 +365,7 @@ def test_sigkill_of_one_rank_fails_the_job_by_rank_and_the_rerun_resumes(data, t
     assert len(losses(out)) == 80
 
 
+@pytest.mark.slow
 def test_a_stalled_data_worker_fails_the_rank_by_name_with_every_stack(tmp_path):
     """draft.stall_timeout: the training loader's worker sleeps forever from its 5th pack (step
     3, after the checkpoint of step 2); the watchdog fails the rank within the limit, naming it
