@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         for r in range(1, a.rounds + 1):
             if extraction is not None:
                 extraction.keep_running()
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-n", "0"]
             cmd += ["tests/test_train_distributed.py", "-k", a.k]
             t0 = time.perf_counter()
             try:
