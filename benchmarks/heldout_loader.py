@@ -3,7 +3,7 @@ it replaced (issue 41: a worker forked once threads run can deadlock).
 
 Two arms, alternated `--repeats` times on the same data, one rank in this process at the
 embedded default's draft recipe (config/config.yaml: packs of 256 tokens, 2 per step, one
-training worker, validation every 50 steps over every held-out sample):
+training worker, every held-out sample validated every `--eval-every` steps):
 
   in_rank     the trainer as it is: the held-out loader has no workers
   persistent  the held-out loader with `num_workers` persistent workers (the code before the
@@ -15,7 +15,8 @@ time) and the run's seconds. The data: the embedded default's shape with random 
 (benchmarks/train_throughput.py's `build_embedded`, cached under --workdir).
 
 Usage (from the repository root):
-  .venv/bin/python benchmarks/heldout_loader.py [--workdir DIR] [--repeats 3] [--steps 200]
+  .venv/bin/python benchmarks/heldout_loader.py [--workdir DIR] [--repeats 3] [--steps 20] \
+      [--eval-every 5]
 """
 
 from __future__ import annotations
@@ -73,13 +74,13 @@ def persistent_heldout(data_loader):
     return build
 
 
-def run(arm: str, shards, target, vocab, out: Path, steps: int) -> dict:
+def run(arm: str, shards, target, vocab, out: Path, steps: int, eval_every: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resumed one
     original = trainer.data_loader
     if arm == "persistent":
         trainer.data_loader = persistent_heldout(original)
     try:
-        cfg = TrainConfig(**RECIPE, max_steps=steps)
+        cfg = TrainConfig(**{**RECIPE, "max_steps": steps, "eval_every": eval_every})
         summary = trainer.train(shards, target, load_vocab(vocab), out, cfg)
     finally:
         trainer.data_loader = original
@@ -98,13 +99,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/eagleflow-heldout-loader"))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=5)
     a = p.parse_args(argv)
     shards, target, vocab = build_embedded(a.workdir / "embedded")
     rows = []
     for r in range(a.repeats):
         for arm in ("in_rank", "persistent"):
-            row = run(arm, shards, target, vocab, a.workdir / "runs" / f"{arm}-{r}", a.steps)
+            row = run(
+                arm, shards, target, vocab, a.workdir / "runs" / f"{arm}-{r}", a.steps, a.eval_every
+            )
             rows.append(row)
             print(
                 " ".join(
