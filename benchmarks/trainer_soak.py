@@ -54,7 +54,8 @@ class Extraction:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         cmd = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile")]
-        cmd += ["--directory", str(work), "--cores", "all", "extract"]
+        cmd += ["--directory", str(work), "--configfile", str(REPO / "config" / "config.yaml")]
+        cmd += ["--cores", "all", "extract"]
         log = open(self.root / f"extract-{self.runs}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
