@@ -24,6 +24,7 @@ from eagleflow.serve.client import LOADED
 from support.workflow_runner import (
     SHORT_REGENERATION,
     SMALL,
+    copy_workdir,
     hidden_dir,
     merged,
     run_and_kill,
@@ -35,13 +36,16 @@ pytestmark = pytest.mark.vllm
 
 # The small default cut into 13 shards of 32 conversations (about 900 tokens each).
 MANY = merged(SMALL, {"data": {"shard_size": 32}})
+# For the kill tests, 7 shards of 64: enough for shards finished before the kill, one in
+# flight and some not started.
+SEVERAL = merged(SMALL, {"data": {"shard_size": 64}})
 # Chunks of about 200 tokens and small forwards, so a kill lands inside a shard.
-MANY_CHUNKED = merged(MANY, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
-# One conversation per forward and chunks of about 100 tokens: a shard takes about 32 forwards,
+SEVERAL_CHUNKED = merged(SEVERAL, {"extract": {"chunk_tokens": 200, "max_num_seqs": 8}})
+# One conversation per forward and chunks of about 100 tokens: a shard takes about 64 forwards,
 # so a kill aimed at "a chunk committed" lands while that shard is still in flight. (With 8 per
 # forward a fast CPU finishes the shard within one poll, the kill lands between shards, and the
 # next job rightly starts a new server: the run succeeds and the test meant nothing.)
-ONE_PER_FORWARD = merged(MANY, {"extract": {"chunk_tokens": 100, "max_num_seqs": 1}})
+ONE_PER_FORWARD = merged(SEVERAL, {"extract": {"chunk_tokens": 100, "max_num_seqs": 1}})
 
 
 def engine_loads(workdir, stage="extract") -> int:
@@ -86,19 +90,23 @@ def assert_same_samples(work, reference):
 
 
 @pytest.fixture(scope="module")
-def per_shard_reference(tmp_path_factory):
-    """The same conversations through the per-shard path (one engine per job, 4 shards)."""
-    work = tmp_path_factory.mktemp("per-shard")
-    snakemake(work, "extract", config=merged(SMALL, {"extract": {"engine_reuse": False}}))
+def per_shard_reference(prepared_workdir, tmp_path_factory):
+    """The same conversations through the per-shard path: one engine per job, in 2 shards of
+    200 (the comparison is per sample, so any cut of the same rows serves)."""
+    work = copy_workdir(prepared_workdir, tmp_path_factory.mktemp("per-shard"))
+    per_shard = {"data": {"shard_size": 200}, "extract": {"engine_reuse": False}}
+    snakemake(work, "extract", config=merged(SMALL, per_shard))
     records = [json.loads(p.with_suffix(".json").read_text()) for p in shard_files(work)]
+    assert len(records) == 2
     assert all(r["model_loaded"] and not r["engine"]["server"] for r in records)
     assert engine_loads(work) == 0
     return work
 
 
-def test_thirteen_shards_one_load_same_states_as_per_shard(per_shard_reference, tmp_path):
-    work = tmp_path / "reuse"
-    work.mkdir()
+def test_thirteen_shards_one_load_same_states_as_per_shard(
+    per_shard_reference, prepared_workdir, tmp_path
+):
+    work = copy_workdir(prepared_workdir, tmp_path / "reuse")
     snakemake(work, "extract", config=MANY)
     files = shard_files(work)
     assert len(files) >= 12
@@ -146,14 +154,13 @@ def gone(pid, timeout=30):
     return False
 
 
-def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
-    work = tmp_path / "killed"
-    work.mkdir()
+def test_sigkill_mid_run_then_rerun_finishes_every_shard(prepared_workdir, tmp_path):
+    work = copy_workdir(prepared_workdir, tmp_path / "killed")
     # Two shards finished and a third one part-way (one chunk committed): kill the whole run.
     run_and_kill(
         work,
         ["extract"],
-        MANY_CHUNKED,
+        SEVERAL_CHUNKED,
         lambda: len(finished(work)) >= 2 and len(partial_chunks(work)) >= 1,
         poll_s=0.2,
         timeout=900,
@@ -170,10 +177,10 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
     # The server belongs to the killed run: it stops by itself (it is in its own session).
     (pid,) = server_pids(work)
     assert gone(pid), "the engine server outlived the killed run"
-    snakemake(work, "--unlock", config=MANY_CHUNKED)
-    snakemake(work, "extract", config=MANY_CHUNKED)
+    snakemake(work, "--unlock", config=SEVERAL_CHUNKED)
+    snakemake(work, "extract", config=SEVERAL_CHUNKED)
     files = shard_files(work)
-    assert len(files) >= 12 and len(finished(work)) == len(files)
+    assert len(files) == 7 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2  # one per run
     assert not partial_chunks(work)
     # Every chunk the kill left committed is in its shard, byte for byte, in its place.
@@ -183,9 +190,10 @@ def test_sigkill_mid_run_then_rerun_finishes_every_shard(tmp_path):
         assert torch.equal(t["hidden_states"][lo:hi], rows), f"{marker.name} of {shard_id}"
 
 
-def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp_path):
-    work = tmp_path / "engine-killed"
-    work.mkdir()
+def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(
+    prepared_workdir, tmp_path
+):
+    work = copy_workdir(prepared_workdir, tmp_path / "engine-killed")
     in_flight = set()
 
     def kill_the_engine(proc):
@@ -213,28 +221,29 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(tmp
         assert "engine server" in p.read_text().split("died while prefilling", 1)[1]
     snakemake(work, "extract", config=ONE_PER_FORWARD)
     files = shard_files(work)
-    assert len(files) >= 12 and len(finished(work)) == len(files)
+    assert len(files) == 7 and len(finished(work)) == len(files)
     assert engine_loads(work) == 2
 
 
 # The embedded default's regeneration settings on 60 conversations: three source shards of 20
-# (three regenerate_shard jobs), chunks of 10, short replies. The embedded target is built from
-# 150 bundled conversations.
+# (three regenerate_shard jobs), chunks of 10, short replies. The embedded target is the shared
+# prepared run's.
 REGEN_SHARDS = {
     "data": {
         "path": "my-data.jsonl",
-        "bundled_conversations": 150,
+        "bundled_conversations": SMALL["data"]["bundled_conversations"],
         "shard_size": 20,
         "regenerate": {**SHORT_REGENERATION, "shard_rows": 20, "chunk_rows": 10},
     }
 }
 
 
-def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(tmp_path):
+def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(
+    prepared_workdir, tmp_path
+):
     from eagleflow.embedded.bundled_data import generate_conversations
 
-    work = tmp_path / "regen"
-    work.mkdir()
+    work = copy_workdir(prepared_workdir, tmp_path / "regen")
     with open(work / "my-data.jsonl", "w") as f:
         for row in generate_conversations(60, seed=7):
             f.write(json.dumps(row) + "\n")

@@ -108,20 +108,20 @@ def test_an_unreadable_manifest_is_set_aside(tmp_path):
 
 
 @pytest.mark.slow
-def test_deleted_token_shard_makes_the_workflow_reshard(tmp_path):
+def test_deleted_token_shard_makes_the_workflow_reshard(prepared_workdir, tmp_path):
     """End to end, sharding only (no model): a token shard deleted by hand while the manifest
     stays re-shards instead of failing every later run with a MissingInputException."""
-    from support.workflow_runner import SMALL, job_counts, snakemake
+    from support.workflow_runner import SMALL, copy_workdir, job_counts, snakemake
 
-    snakemake(tmp_path, "results/shards/manifest.parquet", config=SMALL)
-    tokens = tmp_path / "results" / "shards" / "tokens"
+    work = copy_workdir(prepared_workdir, tmp_path / "w")
+    tokens = work / "results" / "shards" / "tokens"
     deleted = sorted(tokens.iterdir())[1]
     deleted.unlink()
-    proc = snakemake(tmp_path, "-n", "extract", config=SMALL)
+    proc = snakemake(work, "-n", "extract", config=SMALL)
     out = proc.stdout + proc.stderr
     assert "MissingInputException" not in out
     assert f"(first: {deleted.stem}); the manifest was moved to" in out, out[-3000:]
     assert job_counts(out).get("shard") == 1
     # The checkpoint runs again and writes the same (content-addressed) shard back.
-    snakemake(tmp_path, "results/shards/manifest.parquet", config=SMALL)
+    snakemake(work, "results/shards/manifest.parquet", config=SMALL)
     assert deleted.exists()

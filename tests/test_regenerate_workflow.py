@@ -10,6 +10,7 @@ import pytest
 
 from support.workflow_runner import (
     SHORT_REGENERATION,
+    SMALL,
     copy_workdir,
     run_and_kill,
     snakemake,
@@ -24,7 +25,8 @@ REGEN = {
     "data": {
         # the user's own dataset: editing the bundled one would rebuild the embedded target
         "path": "my-data.jsonl",
-        "bundled_conversations": 200,
+        # the embedded target of the shared prepared run (tests/conftest.py: prepared_workdir)
+        "bundled_conversations": SMALL["data"]["bundled_conversations"],
         "shard_size": 100,
         "regenerate": {**SHORT_REGENERATION, "shard_rows": 100, "chunk_rows": 20},
     }
@@ -45,10 +47,10 @@ def token_shard_ids(workdir):
 
 
 @pytest.fixture(scope="module")
-def regenerated_workdir(tmp_path_factory):
+def regenerated_workdir(prepared_workdir, tmp_path_factory):
     from eagleflow.embedded.bundled_data import generate_conversations
 
-    workdir = tmp_path_factory.mktemp("regen")
+    workdir = copy_workdir(prepared_workdir, tmp_path_factory.mktemp("regen"))
     with open(dataset(workdir), "w") as f:
         for row in generate_conversations(200, seed=7):
             f.write(json.dumps(row) + "\n")

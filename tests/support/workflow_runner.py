@@ -129,10 +129,10 @@ def hidden_dir(workdir: Path) -> Path:
 
 
 def copy_workdir(src: Path, dst: Path) -> Path:
-    """A copy of a finished run, mtimes and Snakemake's metadata included."""
+    """A copy of a finished run, mtimes and Snakemake's metadata included (`dst` new or empty)."""
     import shutil
 
-    shutil.copytree(src, dst, symlinks=True)
+    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
     return dst
 
 
