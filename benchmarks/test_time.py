@@ -24,7 +24,7 @@ import pandas as pd
 
 DURATION = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S+)$")
 # pytest's last line: "== 392 passed, 1 skipped in 3120.55s (0:52:00) =="
-FINAL = re.compile(r"=+ (.*) in ([\d.]+)s")
+FINAL = re.compile(r"^=*\s*(\d+ \w+.*) in ([\d.]+)s")
 PHASES = ("setup", "call", "teardown")
 
 

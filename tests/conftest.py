@@ -86,15 +86,31 @@ def extracted_workdir(tmp_path_factory, prepared_workdir):
     return built_once(tmp_path_factory, "extracted-default", extract)
 
 
+# The test files that take longest, longest first (per-file sums of the measured runs in
+# docs/measurements/test-suite.md): under pytest-xdist (`--dist loadfile`) each starts as
+# early as it can instead of running alone at the end. The others follow in their own order.
+LONGEST_FIRST = (
+    "test_slurm.py",
+    "test_engine_reuse.py",
+    "test_draft.py",
+    "test_regenerate_workflow.py",
+    "test_train_distributed.py",
+    "test_storage.py",
+    "test_pipeline_parallel.py",
+    "test_resume.py",
+    "test_reference.py",
+    "test_stream.py",
+    "test_caching.py",
+    "test_multinode.py",
+    "test_regenerate.py",
+)
+
+
 def pytest_collection_modifyitems(items):
-    """The heaviest modules first (those with SLURM tests, then those with vLLM tests), each
-    module's tests in their own order: under pytest-xdist (`--dist loadfile`) a long module
-    then starts early instead of running alone at the end."""
-    weight = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        marks = {m.name for m in item.iter_markers()}
-        rank = 0 if "slurm" in marks else 1 if "vllm" in marks else 2
-        weight[module] = min(weight.get(module, 2), rank)
-    order = {m: i for i, m in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
-    items.sort(key=lambda i: (weight[i.nodeid.split("::")[0]], order[i.nodeid.split("::")[0]]))
+    """The files of LONGEST_FIRST first, in its order; each file's tests in their own order."""
+
+    def rank(item):
+        name = Path(str(item.fspath)).name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their collection order

@@ -45,3 +45,16 @@ def test_a_log_without_durations_is_refused(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "test_time.py"), str(log)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--durations=0" in proc.stderr
+
+
+def test_the_summary_line_of_a_quiet_run_is_read(tmp_path):
+    """`pytest -q` prints its summary without the `=` rule around it."""
+    log = tmp_path / "quiet.log"
+    log.write_text(
+        LOG.format(total="1190.00").replace("=" * 19 + " ", "").replace(" " + "=" * 19, "")
+    )
+    assert "\n2 passed, 1 skipped in 1190.00s" in log.read_text()
+    cmd = [sys.executable, str(REPO / "benchmarks" / "test_time.py"), str(log)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 passed, 1 skipped; 1190 s (19.8 min)" in proc.stdout
