@@ -281,6 +281,7 @@ def test_a_server_in_another_process_is_reached_over_tcp(tmp_path, server_env):
     spec = source.server
     spec.engine_dir.mkdir(parents=True, exist_ok=True)
     spec.file(".key").write_text(os.urandom(32).hex())
+    spec.file(".key").chmod(0o600)  # a key file is read only when private (docs/security.md)
     spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, EAGLEFLOW_SERVER_HOST="127.0.0.1")

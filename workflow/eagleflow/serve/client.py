@@ -6,10 +6,11 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
   chunks to prefill starts a detached server process (`python -m <server_module> SPEC`), under
   a file lock so two jobs never start two. The server loads the target with the capture hooks
   installed, then listens on a Linux abstract unix socket (per host, nothing to clean up) with
-  an authkey kept in a 0600 file. Each extract job stays its own Snakemake job (outputs, shard
-  lock, chunk resume, finishing, record, verification, log): it connects as a client and asks
-  the server to prefill its shard. The server recomputes the shard's missing chunks itself
-  when the request starts, runs the same `run_chunks` as a per-shard engine, streams its
+  an authkey kept in a 0600 file of a 0700 `.engine/` folder (`eagleflow.serve.private`).
+  Each extract job stays its own Snakemake job (outputs, shard lock, chunk resume,
+  finishing, record, verification, log): it connects as a client and asks the server to
+  prefill its shard. The server recomputes the shard's missing chunks itself when the
+  request starts, runs the same `run_chunks` as a per-shard engine, streams its
   progress lines to the client and ends with the figures or the full traceback, which the
   client prints in the shard's log.
 - `generate` (regenerate_shard jobs, `eagleflow.regenerate.generate_server`): started and
@@ -31,6 +32,9 @@ same authkey (docs/streaming.md#transport). A job inside a SLURM allocation that
 `tcp` server submits it as a SLURM job of its own (`server_job_command`: the engine's nodes
 and GPUs, the job's log), so the engine and the trainer hold separate allocations.
 
+Messages travel on `eagleflow.serve.wire`: a mutual HMAC handshake over the key, then JSON
+headers and raw byte frames, never pickle; every wait has a limit (docs/security.md).
+
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
 failed request (a fresh server starts clean). A client whose server dies gets EOF and fails
@@ -45,17 +49,20 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.serve import wire
+from eagleflow.serve.private import engine_dir, private_dir, read_private, write_private
 
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
 KINDS = ("capture", "generate")  # what a server's engine is built for, and the request it serves
@@ -70,6 +77,9 @@ STATES_TIMEOUT_S = 1800
 # ends still ends.
 PREFILL_SILENCE_S = STATES_TIMEOUT_S
 GENERATE_TIMEOUT_S = READY_TIMEOUT_S
+# A connected job that sends nothing for this long is dropped by the server (a vanished TCP
+# peer is noticed sooner, by keepalive): an extract job stays connected while it verifies.
+CLIENT_SILENCE_S = 3600.0
 
 
 def snakemake_ancestor(pid: int | None = None) -> int | None:
@@ -107,8 +117,19 @@ def alive(pid: int) -> bool:
 
 def registry_dir() -> Path:
     """Where this user's live servers on this host say who they are (`ServerSpec.registry_file`),
-    so that a job about to load an engine can ask the idle ones of its run to stop first."""
-    return Path(tempfile.gettempdir()) / f"eagleflow-engines-{os.getuid()}"
+    so that a job about to load an engine can ask the idle ones of its run to stop first:
+    `$XDG_RUNTIME_DIR/eagleflow-engines`, else `<tmp>/eagleflow-engines-<uid>`, a folder of
+    this uid's with mode 0700 (made so, or the run stops: `eagleflow.serve.private`)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return private_dir(Path(runtime) / "eagleflow-engines")
+    return private_dir(Path(tempfile.gettempdir()) / f"eagleflow-engines-{os.getuid()}")
+
+
+def read_key(path) -> bytes:
+    """A server's authkey: only from a file of this uid's, mode 0600, in a `.engine/` folder
+    of this uid's that nobody else can write (UnsafePath otherwise)."""
+    return bytes.fromhex(read_private(path, secret=True))
 
 
 @dataclass(frozen=True)
@@ -130,6 +151,8 @@ class ServerSpec:
     # CUDA_VISIBLE_DEVICES of the server's engine (a streaming run shares its node with the
     # trainer's ranks); None: the starting job's.
     devices: str | None = None
+    # The server drops a connected job silent for this long (CLIENT_SILENCE_S).
+    client_silence_seconds: float = CLIENT_SILENCE_S
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -171,28 +194,30 @@ class ServerSpec:
         except (OSError, ValueError, KeyError):
             return None
 
-    def listen(self, authkey: bytes):
-        """The server's listener: the unix socket, or a TCP port of this host (any free one),
-        published in the `.address` file."""
+    def listen(self) -> socket.socket:
+        """The server's listening socket: the unix socket, or a TCP port (any free one) on the
+        address of the host it publishes in the `.address` file, not on every interface."""
         # A deep backlog: clients (a streaming run's workers on several nodes, whose lock
         # file may not serialize them) queue in the kernel, none is refused.
         if not self.tcp:
-            return Listener(self.address, family="AF_UNIX", backlog=BACKLOG, authkey=authkey)
-        listener = Listener(("", 0), family="AF_INET", backlog=BACKLOG, authkey=authkey)
+            return wire.listen(self.address, socket.AF_UNIX, BACKLOG)
         host = os.environ.get("EAGLEFLOW_SERVER_HOST") or socket.gethostname()
-        tmp = self.file(f".address.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"host": host, "port": listener.address[1]}))
-        os.replace(tmp, self.file(".address"))
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        listener = wire.listen(sockaddr[:2], family, BACKLOG)
+        port = listener.getsockname()[1]
+        write_private(self.file(".address"), json.dumps({"host": host, "port": port}))
         return listener
 
-    def connect(self, authkey: bytes):
-        """A connection to the server (its listener accepts while it loads)."""
+    def connect(self, authkey: bytes, ready_timeout: float = READY_TIMEOUT_S) -> wire.Connection:
+        """A connection to the server that has proven it holds the key; a server still loading
+        accepts once loaded (waited for up to `ready_timeout` s)."""
         if not self.tcp:
-            return Client(self.address, family="AF_UNIX", authkey=authkey)
+            return wire.connect(self.address, socket.AF_UNIX, authkey, ready_timeout)
         address = self.tcp_address()
         if address is None:
             raise ConnectionRefusedError(f"no {self.file('.address')} yet")
-        return Client(address, family="AF_INET", authkey=authkey)
+        family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
+        return wire.connect(address, family, authkey, ready_timeout)
 
     @property
     def log_path(self) -> Path:
@@ -233,6 +258,7 @@ class ServerSpec:
             "kind": self.kind,
             "tcp": self.tcp,
             "devices": self.devices,
+            "client_silence_seconds": self.client_silence_seconds,
         }
 
     @classmethod
@@ -247,6 +273,7 @@ class ServerSpec:
             d.get("kind", "capture"),
             d.get("tcp", False),
             d.get("devices"),
+            float(d.get("client_silence_seconds", CLIENT_SILENCE_S)),
         )
 
 
@@ -306,7 +333,7 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
         try:
             entry = json.loads(path.read_text())
             pid = int(entry["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
         if not alive(pid):
             path.unlink(missing_ok=True)  # a server killed before it could remove its entry
@@ -314,15 +341,19 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
         if entry.get("key") == keep or tuple(entry.get("run") or ()) != tuple(run):
             continue
         try:
-            authkey = bytes.fromhex(Path(entry["keyfile"]).read_text())
-            family = entry.get("family", "AF_UNIX")
-            address = tuple(entry["address"]) if family == "AF_INET" else entry["address"]
-            conn = Client(address, family=family, authkey=authkey)
-            conn.recv()  # hello
+            # Only a key of this uid's, in a private `.engine/` (read_key), is ever used.
+            authkey = read_key(entry["keyfile"])
+            if entry.get("family", "AF_UNIX") == "AF_INET":
+                address = tuple(entry["address"])
+                family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
+            else:
+                address, family = str(entry["address"]), socket.AF_UNIX
+            conn = wire.connect(address, family, authkey, READY_TIMEOUT_S)
+            conn.recv(READY_TIMEOUT_S)  # hello
             conn.send(("release",))
-            conn.recv()
+            conn.recv(RELEASE_TIMEOUT_S)
             conn.close()
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError, KeyError, TypeError):
             if not alive(pid):
                 continue  # it stopped meanwhile
             # Not reachable (its key file replaced): nobody can use it; it idles out.
@@ -343,12 +374,12 @@ def stop_server(spec: ServerSpec, log=print) -> bool:
     streaming training job that has finished with it frees its devices for the next job).
     Returns whether one was asked."""
     try:
-        conn = spec.connect(bytes.fromhex(spec.file(".key").read_text()))
-        pid = conn.recv()[1]  # hello
+        conn = spec.connect(read_key(spec.file(".key")), ready_timeout=RELEASE_TIMEOUT_S)
+        pid = conn.recv(RELEASE_TIMEOUT_S)[1]  # hello
         conn.send(("release",))
-        conn.recv()
+        conn.recv(RELEASE_TIMEOUT_S)
         conn.close()
-    except (OSError, EOFError, ValueError):
+    except (OSError, EOFError, ValueError, IndexError, TypeError):
         return False
     log(f"engine: asked the {spec.kind} engine server pid {pid} to stop")
     return True
@@ -372,12 +403,16 @@ def server_job_command(spec: ServerSpec, server_module: str, python: str = sys.e
         per_node = s.tensor_parallel_size * s.pipeline_parallel_size // s.nodes
         cmd += [f"--gres=gpu:{per_node}", "--exclusive"]
     spec_file = Path(spec.file(".spec.json")).resolve()
-    return [*cmd, f"--chdir={os.getcwd()}", "--wrap", f"{python} -m {server_module} {spec_file}"]
+    # --wrap is a shell command line: every word quoted (a space or `$()` in a path stays text).
+    wrap = shlex.join([python, "-m", server_module, str(spec_file)])
+    return [*cmd, f"--chdir={os.getcwd()}", "--wrap", wrap]
 
 
 def slurm_job_alive(job_id: str) -> bool:
     """The SLURM job is pending or running (squeue still lists it)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+    )
     return out.returncode == 0 and out.stdout.strip() not in ("", "COMPLETED", "FAILED")
 
 
@@ -416,22 +451,23 @@ class EngineClient:
 
     def _try_connect(self) -> bool:
         try:
-            authkey = bytes.fromhex(self.spec.file(".key").read_text())
-            conn = self.spec.connect(authkey)
-            # A server still loading has accepted the connection; its hello comes when loaded.
-            if not conn.poll(READY_TIMEOUT_S):
-                conn.close()
-                return False
-            hello = conn.recv()
-        except (OSError, EOFError, ValueError):
+            authkey = read_key(self.spec.file(".key"))
+        except FileNotFoundError:
             return False
-        self.conn, self.server_pid = conn, hello[1]
+        try:
+            # A server still loading has the connection queued; it accepts when loaded.
+            conn = self.spec.connect(authkey)
+            hello = conn.recv(READY_TIMEOUT_S)
+            pid = int(hello[1])
+        except (OSError, EOFError, ValueError, IndexError, TypeError):
+            return False
+        self.conn, self.server_pid = conn, pid
         return True
 
     def _connect_or_start(self) -> None:
         spec = self.spec
-        Path(spec.engine_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(spec.file(".lock"), os.O_CREAT | os.O_RDWR)
+        engine_dir(spec.engine_dir)  # 0700, this uid's, or the job stops naming it
+        fd = os.open(spec.file(".lock"), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one starter; others wait for its server
             if self._try_connect():
@@ -445,10 +481,10 @@ class EngineClient:
         spec = self.spec
         keyfile = spec.file(".key")
         keyfile.unlink(missing_ok=True)
-        fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
+        write_private(spec.file(".spec.json"), json.dumps(spec.to_json()))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         release_idle_servers(spec.run, keep=spec.key, log=self.log)
         self.log(f"engine: starting a server, log {spec.log_path}")
@@ -477,7 +513,8 @@ class EngineClient:
                     f"its log {spec.log_path} ends:\n{log_tail(spec.log_path)}"
                 )
             if time.time() > deadline:
-                proc.kill()
+                # Its own session: the engine's workers go with it.
+                os.killpg(proc.pid, signal.SIGKILL)
                 raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
             time.sleep(0.5)
         self.started_here = True
@@ -487,22 +524,27 @@ class EngineClient:
         """Start the server as a SLURM job of its own and wait for it (queue wait included)."""
         spec = self.spec
         cmd = server_job_command(spec, self.server_module)
-        job = subprocess.run(cmd, capture_output=True, text=True)
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if job.returncode:
-            raise RuntimeError(f"could not submit the engine server: {' '.join(cmd)}: {job.stderr}")
+            raise RuntimeError(
+                f"could not submit the engine server: {shlex.join(cmd)}: {job.stderr}"
+            )
         job_id = job.stdout.strip().split(";")[0]
         self.log(f"engine: server submitted as SLURM job {job_id}, log {spec.log_path}")
         deadline = time.time() + READY_TIMEOUT_S
-        while not self._try_connect():
-            if not slurm_job_alive(job_id):
-                raise RuntimeError(
-                    f"the engine server's SLURM job {job_id} ended before it served; its log "
-                    f"{spec.log_path} ends:\n{log_tail(spec.log_path)}"
-                )
-            if time.time() > deadline:
-                subprocess.run(["scancel", job_id])
-                raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
-            time.sleep(2.0)
+        try:
+            while not self._try_connect():
+                if not slurm_job_alive(job_id):
+                    raise RuntimeError(
+                        f"the engine server's SLURM job {job_id} ended before it served; its log "
+                        f"{spec.log_path} ends:\n{log_tail(spec.log_path)}"
+                    )
+                if time.time() > deadline:
+                    raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
+                time.sleep(2.0)
+        except BaseException:  # the deadline, an interrupt, any error: nobody will use it
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+            raise
         self.started_here = True
         self.log(f"engine: server pid {self.server_pid} (SLURM job {job_id}) started")
 
@@ -525,7 +567,7 @@ class EngineClient:
                         f"{timeout} s while {doing}: its host may be gone; its log "
                         f"{self.spec.log_path} ends:\n{log_tail(self.spec.log_path)}"
                     )
-                msg = self.conn.recv()
+                msg = self.conn.recv(None)
                 if msg[0] == "log":
                     progress.write(msg[1])
                     progress.flush()
@@ -564,4 +606,5 @@ class EngineClient:
             "max_new_tokens": max_new_tokens,
         }
         doing = "generating this shard's replies"
-        return self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
+        answer = self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
+        return [tuple(r) for r in answer]  # the wire carries lists
