@@ -429,9 +429,10 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
         best["step"] == summary["best_step"]
         and (out["train"] / "best" / "model.safetensors").is_file()
     )
-    # the trainer's checkpoints stay outside the outputs (train.work/), one kept
+    # the trainer's checkpoints stay outside the outputs (train.work/), the last two kept
     work_dir = out["train"].parent / "train.work"
-    assert [d.name for d in (work_dir / "checkpoints").iterdir()] == ["step-00000012"]
+    kept = sorted(d.name for d in (work_dir / "checkpoints").iterdir())
+    assert kept[-1] == "step-00000012" and len(kept) <= 2
     report = out["acceptance"]
     assert report["k"] == 2 and all(is_heldout(s) for s in report["heldout"]["sample_ids"])
     eagle, ref = report["results"]["vllm_eagle3"], report["results"]["reference"]

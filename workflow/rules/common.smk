@@ -122,7 +122,9 @@ def check_token_shards():
     that was deleted is moved aside, so the checkpoint re-shards instead of the extraction
     jobs lacking their input."""
     set_aside_incomplete_manifest(
-        f"{R}/shards", log=lambda m: print(m, file=sys.stderr)
+        f"{R}/shards",
+        log=lambda m: print(m, file=sys.stderr),
+        dry_run=workflow.dryrun,
     )
 
 
@@ -144,8 +146,13 @@ def checked_shard_ids(fp):
     """Shard ids, after the cheap integrity check of every finished shard (once per run)."""
     ids = shard_ids()
     if fp == fingerprint()[0]:
+        # A dry run (`snakemake -n`) only reports; shards of running jobs are left alone.
         check_finished_shards(
-            HIDDEN.format(fp=fp), ids, fp, log=lambda m: print(m, file=sys.stderr)
+            HIDDEN.format(fp=fp),
+            ids,
+            fp,
+            log=lambda m: print(m, file=sys.stderr),
+            dry_run=workflow.dryrun,
         )
     return ids
 

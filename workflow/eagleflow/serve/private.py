@@ -110,12 +110,3 @@ def write_private(path, text: str, mode: int = 0o600) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def fsync_dir(path) -> None:
-    """Make the renames in folder `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
