@@ -153,6 +153,8 @@ class ServerSpec:
     devices: str | None = None
     # The server drops a connected job silent for this long (CLIENT_SILENCE_S).
     client_silence_seconds: float = CLIENT_SILENCE_S
+    # ... and a client that has not proven the key this long after it was accepted.
+    handshake_seconds: float = wire.HANDSHAKE_TIMEOUT_S
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -259,6 +261,7 @@ class ServerSpec:
             "tcp": self.tcp,
             "devices": self.devices,
             "client_silence_seconds": self.client_silence_seconds,
+            "handshake_seconds": self.handshake_seconds,
         }
 
     @classmethod
@@ -274,6 +277,7 @@ class ServerSpec:
             d.get("tcp", False),
             d.get("devices"),
             float(d.get("client_silence_seconds", CLIENT_SILENCE_S)),
+            float(d.get("handshake_seconds", wire.HANDSHAKE_TIMEOUT_S)),
         )
 
 

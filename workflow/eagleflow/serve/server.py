@@ -99,7 +99,7 @@ def serve(spec: ServerSpec, build) -> None:
         state.update(engine=engine, busy=False, last=time.monotonic())
     while True:
         try:
-            conn = wire.accept(listener, authkey)
+            conn = wire.accept(listener, authkey, spec.handshake_seconds)
         except Exception as e:  # a wrong key, a silent or vanished client: serve the next
             print(f"eagleflow engine server: a client was refused ({type(e).__name__})", flush=True)
             continue

@@ -23,6 +23,7 @@ import select
 import socket
 import ssl
 import struct
+import time
 
 MAGIC = b"EFW1"  # every message
 HELLO = b"EFA1"  # the server's challenge
@@ -99,12 +100,17 @@ class Connection:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def _read(self, n: int, timeout: float | None) -> bytearray:
+    def _read(self, n: int, timeout: float | None, deadline: float | None = None) -> bytearray:
+        """`n` bytes, each read within `timeout` s of the last, all by `deadline`
+        (time.monotonic) when one is given."""
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
-            if timeout is not None and not self.poll(timeout):
-                raise WireError(f"the peer sent nothing for {timeout:g} s in a message")
+            wait = timeout
+            if deadline is not None:
+                wait = max(0.0, min(wait, deadline - time.monotonic()))
+            if wait is not None and not self.poll(wait):
+                raise WireError(f"the peer sent nothing for {wait:g} s in a message")
             try:
                 k = self.sock.recv_into(view[got:], min(n - got, 1 << 24))
             except (TimeoutError, ssl.SSLWantReadError):
@@ -167,19 +173,25 @@ def keepalive(sock: socket.socket) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
-def accept(listener: socket.socket, key: bytes, tls: ssl.SSLContext | None = None) -> Connection:
-    """The next client that proves the key within HANDSHAKE_TIMEOUT_S. Raises WireError (or
+def accept(
+    listener: socket.socket,
+    key: bytes,
+    timeout: float = HANDSHAKE_TIMEOUT_S,
+    tls: ssl.SSLContext | None = None,
+) -> Connection:
+    """The next client that proves the key within `timeout` seconds. Raises WireError (or
     OSError, EOFError) for one that does not: the caller drops it and accepts the next."""
     sock, _ = listener.accept()
+    deadline = time.monotonic() + timeout
     try:
         keepalive(sock)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.settimeout(timeout)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_side=True)
         conn = Connection(sock)
         ns = secrets.token_bytes(NONCE)
         sock.sendall(HELLO + ns)
-        answer = conn._read(2 * NONCE, HANDSHAKE_TIMEOUT_S)
+        answer = conn._read(2 * NONCE, timeout, deadline)
         nc, mac = bytes(answer[:NONCE]), bytes(answer[NONCE:])
         if not hmac.compare_digest(mac, _mac(key, b"client", ns, nc)):
             raise AuthenticationFailed("a client that does not hold the key")
@@ -214,7 +226,10 @@ def connect(
             raise WireError("a server that does not speak the eagleflow wire")
         ns, nc = bytes(hello[len(HELLO) :]), secrets.token_bytes(NONCE)
         sock.sendall(nc + _mac(key, b"client", ns, nc))
-        proof = bytes(conn._read(NONCE, HANDSHAKE_TIMEOUT_S))
+        try:
+            proof = bytes(conn._read(NONCE, HANDSHAKE_TIMEOUT_S))
+        except EOFError:
+            raise AuthenticationFailed("the server refused this client's key") from None
         if not hmac.compare_digest(proof, _mac(key, b"server", nc, ns)):
             raise AuthenticationFailed("a server that does not hold the key")
         sock.settimeout(None)
