@@ -565,13 +565,14 @@ class EngineClient:
         try:
             self.conn.send((kind, request))
             while True:
-                if timeout is not None and not self.conn.poll(timeout):
+                try:
+                    msg = self.conn.recv(timeout)
+                except wire.PeerSilent:
                     raise RuntimeError(
                         f"the engine server (pid {self.server_pid}) sent nothing for "
                         f"{timeout} s while {doing}: its host may be gone; its log "
                         f"{self.spec.log_path} ends:\n{log_tail(self.spec.log_path)}"
-                    )
-                msg = self.conn.recv(None)
+                    ) from None
                 if msg[0] == "log":
                     progress.write(msg[1])
                     progress.flush()

@@ -19,7 +19,6 @@ import hashlib
 import hmac
 import json
 import secrets
-import select
 import socket
 import ssl
 import struct
@@ -91,8 +90,17 @@ def decode(header: bytes, frames: list):
         raise WireError(f"a message that does not parse ({type(e).__name__})") from None
 
 
+class PeerSilent(WireError):
+    """The peer sent nothing for the time allowed (a stalled client, a lost host)."""
+
+
+CHUNK = 1 << 24  # bytes per socket call: each must make progress within its limit
+
+
 class Connection:
-    """One end of an authenticated connection (`accept`, `connect`)."""
+    """One end of an authenticated connection (`accept`, `connect`). Every read and write
+    has a time limit (the socket's timeout, set per call): nothing waits forever unless asked
+    to with `timeout=None`."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -101,40 +109,41 @@ class Connection:
         return self.sock.fileno()
 
     def _read(self, n: int, timeout: float | None, deadline: float | None = None) -> bytearray:
-        """`n` bytes, each read within `timeout` s of the last, all by `deadline`
-        (time.monotonic) when one is given."""
+        """`n` bytes, each socket read within `timeout` s, all by `deadline`
+        (time.monotonic) when one is given; PeerSilent, or EOFError when the peer closed."""
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
             wait = timeout
             if deadline is not None:
-                wait = max(0.0, min(wait, deadline - time.monotonic()))
-            if wait is not None and not self.poll(wait):
-                raise WireError(f"the peer sent nothing for {wait:g} s in a message")
+                wait = max(0.001, min(wait, deadline - time.monotonic()))
+            self.sock.settimeout(wait)
             try:
-                k = self.sock.recv_into(view[got:], min(n - got, 1 << 24))
-            except (TimeoutError, ssl.SSLWantReadError):
-                continue
+                k = self.sock.recv_into(view[got:], min(n - got, CHUNK))
+            except TimeoutError:
+                raise PeerSilent(f"the peer sent nothing for {wait:g} s") from None
             if k == 0:
                 raise EOFError("the peer closed the connection")
             got += k
         return buf
 
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        """Whether a message's bytes are waiting (within `timeout` seconds; None: forever)."""
-        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
-            return True
-        return bool(select.select([self.sock], [], [], timeout)[0])
+    def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.sock.settimeout(PROGRESS_TIMEOUT_S)
+        for i in range(0, len(view), CHUNK):
+            try:
+                self.sock.sendall(view[i : i + CHUNK])
+            except TimeoutError:
+                raise PeerSilent(f"the peer took nothing for {PROGRESS_TIMEOUT_S:g} s") from None
 
     def send(self, value) -> None:
         for buf in encode(value):
-            self.sock.sendall(buf)
+            self._write(buf)
 
     def recv(self, timeout: float | None = None):
-        """The next message; `timeout`: how long to wait for it to begin (None: forever)."""
-        if not self.poll(timeout):
-            raise WireError(f"the peer sent nothing for {timeout:g} s")
-        head = self._read(8, PROGRESS_TIMEOUT_S)
+        """The next message; `timeout`: how long to wait for it to begin (None: forever).
+        PeerSilent past it; WireError for anything that is not a message."""
+        head = self._read(1, timeout) + self._read(7, PROGRESS_TIMEOUT_S)
         if head[:4] != MAGIC:
             raise WireError("a message without the eagleflow wire's magic bytes")
         (n,) = struct.unpack("<I", head[4:])
@@ -186,7 +195,7 @@ def accept(
     try:
         keepalive(sock)
         sock.settimeout(timeout)
-        if tls is not None:
+        if tls is not None:  # its handshake within the same limit
             sock = tls.wrap_socket(sock, server_side=True)
         conn = Connection(sock)
         ns = secrets.token_bytes(NONCE)
@@ -196,7 +205,6 @@ def accept(
         if not hmac.compare_digest(mac, _mac(key, b"client", ns, nc)):
             raise AuthenticationFailed("a client that does not hold the key")
         sock.sendall(_mac(key, b"server", nc, ns))
-        sock.settimeout(None)
         return conn
     except BaseException:
         sock.close()
@@ -214,25 +222,25 @@ def connect(
         sock.settimeout(CONNECT_TIMEOUT_S)
         sock.connect(address)
         keepalive(sock)
-        if tls is not None:
+        if tls is not None:  # the server's TLS handshake comes when it accepts
             sock.settimeout(ready_timeout)
-            sock = tls.wrap_socket(sock, server_hostname=None)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            sock = tls.wrap_socket(sock)
         conn = Connection(sock)
-        if not conn.poll(ready_timeout):
-            raise WireError(f"the server did not accept within {ready_timeout:g} s")
-        hello = conn._read(len(HELLO) + NONCE, HANDSHAKE_TIMEOUT_S)
+        try:
+            hello = conn._read(1, ready_timeout)
+        except PeerSilent:
+            raise PeerSilent(f"the server did not accept within {ready_timeout:g} s") from None
+        hello += conn._read(len(HELLO) + NONCE - 1, HANDSHAKE_TIMEOUT_S)
         if hello[: len(HELLO)] != HELLO:
             raise WireError("a server that does not speak the eagleflow wire")
         ns, nc = bytes(hello[len(HELLO) :]), secrets.token_bytes(NONCE)
-        sock.sendall(nc + _mac(key, b"client", ns, nc))
+        conn._write(nc + _mac(key, b"client", ns, nc))
         try:
             proof = bytes(conn._read(NONCE, HANDSHAKE_TIMEOUT_S))
         except EOFError:
             raise AuthenticationFailed("the server refused this client's key") from None
         if not hmac.compare_digest(proof, _mac(key, b"server", nc, ns)):
             raise AuthenticationFailed("a server that does not hold the key")
-        sock.settimeout(None)
         return conn
     except BaseException:
         sock.close()
