@@ -451,3 +451,35 @@ def test_a_results_dir_with_a_space_and_a_command_substitution_works_under_slurm
             started.append(int(pid_file.read_text()))
     assert not (tmp_path / "injected").exists()
     assert not list(results.parent.glob("**/injected"))
+
+
+def test_a_tls_server_is_reached_only_with_the_run_s_certificate(spec, monkeypatch, tmp_path):
+    """`draft.stream_tls`: the server's TCP port speaks TLS with a certificate made for the
+    run beside its key; a client pinned to it is served; one that speaks plain TCP, or pins
+    another certificate, never reaches the key check."""
+    from dataclasses import replace
+
+    from eagleflow.serve import wire
+    from eagleflow.serve.tls import client_context, make_certificate
+
+    spec, started = spec
+    monkeypatch.setenv("EAGLEFLOW_SERVER_HOST", "127.0.0.1")
+    with pytest.raises(ValueError, match="TLS is for a TCP server"):
+        replace(spec, tls=True)
+    spec = replace(spec, tcp=True, tls=True)
+    client = connect(spec, started)
+    assert client.generate([[1, 2, 3]], 4) == [reply([1, 2, 3], 4)]
+    client.__exit__(None, None, None)
+    assert spec.file(".tls.pem").stat().st_mode & 0o777 == 0o600
+    key = bytes.fromhex(spec.file(".key").read_text())
+    address = spec.tcp_address()
+    with pytest.raises((OSError, EOFError)):  # plain TCP
+        wire.connect(address, socket.AF_INET, key, 10)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    make_certificate(other / "c.pem", other / "k.pem", "someone else")
+    with pytest.raises(OSError):  # ssl.SSLCertVerificationError
+        wire.connect(address, socket.AF_INET, key, 10, client_context(other / "c.pem"))
+    again = connect(spec, started)  # the server serves on, with the model it loaded
+    assert not again.started_here and again.generate([[5]], 4) == [reply([5], 4)]
+    again.__exit__(None, None, None)

@@ -28,9 +28,11 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
 A server of a spec with `tcp` listens on a TCP port of its host instead of the unix socket,
 and writes `<key>.address` (host, port) next to its key file: a job on another node (another
 SLURM allocation: the training job of a streaming run) finds it there and connects with the
-same authkey (docs/streaming.md#transport). A job inside a SLURM allocation that starts a
-`tcp` server submits it as a SLURM job of its own (`server_job_command`: the engine's nodes
-and GPUs, the job's log), so the engine and the trainer hold separate allocations.
+same authkey (docs/streaming.md#transport). With `tls` (`draft.stream_tls`) the connection
+is TLS, with a certificate made for the run and pinned by the clients (`eagleflow.serve.tls`).
+A job inside a SLURM allocation that starts a `tcp` server submits it as a SLURM job of its
+own (`server_job_command`: the engine's nodes and GPUs, the job's log), so the engine and the
+trainer hold separate allocations.
 
 Messages travel on `eagleflow.serve.wire`: a mutual HMAC handshake over the key, then JSON
 headers and raw byte frames, never pickle; every wait has a limit (docs/security.md).
@@ -155,8 +157,12 @@ class ServerSpec:
     client_silence_seconds: float = CLIENT_SILENCE_S
     # ... and a client that has not proven the key this long after it was accepted.
     handshake_seconds: float = wire.HANDSHAKE_TIMEOUT_S
+    # TLS on the TCP connection, with the run's certificate beside the key (serve.tls).
+    tls: bool = False
 
     def __post_init__(self):
+        if self.tls and not self.tcp:
+            raise ValueError("TLS is for a TCP server (draft.stream_tcp: true)")
         if self.kind not in KINDS:
             raise ValueError(f"unknown engine server kind {self.kind!r}: one of {KINDS}")
         if (self.plan is None) != (self.kind == "generate"):
@@ -175,6 +181,8 @@ class ServerSpec:
         }
         if self.tcp:
             ident["tcp"] = True
+            if self.tls:
+                ident["tls"] = True
         else:
             ident["host"] = socket.gethostname()
             ident["allocation"] = os.environ.get("SLURM_JOB_ID", "")
@@ -195,6 +203,15 @@ class ServerSpec:
             return d["host"], int(d["port"])
         except (OSError, ValueError, KeyError):
             return None
+
+    def tls_context(self, server: bool = False):
+        """The TLS context of this spec's connections (None without TLS)."""
+        if not self.tls:
+            return None
+        from eagleflow.serve.tls import client_context, server_context
+
+        cert = self.file(".cert.pem")
+        return server_context(cert, self.file(".tls.pem")) if server else client_context(cert)
 
     def listen(self) -> socket.socket:
         """The server's listening socket: the unix socket, or a TCP port (any free one) on the
@@ -219,7 +236,7 @@ class ServerSpec:
         if address is None:
             raise ConnectionRefusedError(f"no {self.file('.address')} yet")
         family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
-        return wire.connect(address, family, authkey, ready_timeout)
+        return wire.connect(address, family, authkey, ready_timeout, self.tls_context())
 
     @property
     def log_path(self) -> Path:
@@ -245,6 +262,7 @@ class ServerSpec:
             "address": list(self.tcp_address() or ()) if self.tcp else self.address,
             "family": "AF_INET" if self.tcp else "AF_UNIX",
             "keyfile": str(Path(self.file(".key")).resolve()),
+            "tls": self.tls,
             "run": list(self.run),
             "log": str(self.log_path),
         }
@@ -262,6 +280,7 @@ class ServerSpec:
             "devices": self.devices,
             "client_silence_seconds": self.client_silence_seconds,
             "handshake_seconds": self.handshake_seconds,
+            "tls": self.tls,
         }
 
     @classmethod
@@ -278,6 +297,7 @@ class ServerSpec:
             d.get("devices"),
             float(d.get("client_silence_seconds", CLIENT_SILENCE_S)),
             float(d.get("handshake_seconds", wire.HANDSHAKE_TIMEOUT_S)),
+            bool(d.get("tls", False)),
         )
 
 
@@ -347,12 +367,17 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
         try:
             # Only a key of this uid's, in a private `.engine/` (read_key), is ever used.
             authkey = read_key(entry["keyfile"])
+            tls = None
+            if entry.get("tls"):
+                from eagleflow.serve.tls import client_context
+
+                tls = client_context(Path(str(entry["keyfile"])).with_suffix(".cert.pem"))
             if entry.get("family", "AF_UNIX") == "AF_INET":
                 address = tuple(entry["address"])
                 family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
             else:
                 address, family = str(entry["address"]), socket.AF_UNIX
-            conn = wire.connect(address, family, authkey, READY_TIMEOUT_S)
+            conn = wire.connect(address, family, authkey, READY_TIMEOUT_S, tls)
             conn.recv(READY_TIMEOUT_S)  # hello
             conn.send(("release",))
             conn.recv(RELEASE_TIMEOUT_S)
@@ -488,6 +513,10 @@ class EngineClient:
         fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
+        if spec.tls:
+            from eagleflow.serve.tls import make_certificate
+
+            make_certificate(spec.file(".cert.pem"), spec.file(".tls.pem"), f"eagleflow-{spec.key}")
         write_private(spec.file(".spec.json"), json.dumps(spec.to_json()))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         release_idle_servers(spec.run, keep=spec.key, log=self.log)

@@ -59,6 +59,7 @@ def serve(spec: ServerSpec, build) -> None:
         flush=True,
     )
     authkey = read_key(spec.file(".key"))
+    tls = spec.tls_context(server=True)
     listener = spec.listen()
     state = {"busy": True, "last": time.monotonic(), "engine": None}  # busy: loading
     lock = threading.Lock()
@@ -99,7 +100,7 @@ def serve(spec: ServerSpec, build) -> None:
         state.update(engine=engine, busy=False, last=time.monotonic())
     while True:
         try:
-            conn = wire.accept(listener, authkey, spec.handshake_seconds)
+            conn = wire.accept(listener, authkey, spec.handshake_seconds, tls)
         except Exception as e:  # a wrong key, a silent or vanished client: serve the next
             print(f"eagleflow engine server: a client was refused ({type(e).__name__})", flush=True)
             continue
