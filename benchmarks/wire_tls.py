@@ -39,7 +39,7 @@ def exchange(family, address, tls_dir: Path | None, payload: bytes, packs: int) 
 
     def serve():
         conn = wire.accept(listener, key, 10, server_tls)
-        while (msg := conn.recv(60))[0] != "bye":
+        while conn.recv(60)[0] != "bye":
             conn.send(["done", {"states": {"dtype": "bfloat16", "bytes": payload}}])
         conn.close()
 

@@ -483,3 +483,29 @@ def test_a_tls_server_is_reached_only_with_the_run_s_certificate(spec, monkeypat
     again = connect(spec, started)  # the server serves on, with the model it loaded
     assert not again.started_here and again.generate([[5]], 4) == [reply([5], 4)]
     again.__exit__(None, None, None)
+
+
+def test_a_server_without_the_key_is_not_believed(tmp_path):
+    """Another user listens under the server's name first (the abstract socket name is
+    findable): the client's half of the handshake finds that it does not hold the key."""
+    from eagleflow.serve import wire
+
+    address = f"\0eagleflow-squatter-{os.getpid()}-{time.time_ns()}"
+    squatter = socket.socket(socket.AF_UNIX)
+    squatter.bind(address)
+    squatter.listen(1)
+
+    def pose():
+        conn, _ = squatter.accept()
+        conn.settimeout(10)
+        conn.sendall(wire.HELLO + os.urandom(wire.NONCE))
+        conn.recv(2 * wire.NONCE)
+        conn.sendall(os.urandom(wire.NONCE))  # it cannot compute the proof
+        conn.close()
+
+    thread = threading.Thread(target=pose, daemon=True)
+    thread.start()
+    with pytest.raises(wire.AuthenticationFailed, match="does not hold the key"):
+        wire.connect(address, socket.AF_UNIX, os.urandom(32), 10)
+    thread.join(timeout=10)
+    squatter.close()
