@@ -6,7 +6,7 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
   chunks to prefill starts a detached server process (`python -m <server_module> SPEC`), under
   a file lock so two jobs never start two. The server loads the target with the capture hooks
   installed, then listens on a Linux abstract unix socket (per host, nothing to clean up) with
-  an authkey kept in a 0600 file of a 0700 `.engine/` folder (`eagleflow.serve.private`).
+  an authkey kept in a 0600 file of a 0700 `.engine/` folder (`eagleflow.store.private`).
   Each extract job stays its own Snakemake job (outputs, shard lock, chunk resume,
   finishing, record, verification, log): it connects as a client and asks the server to
   prefill its shard. The server recomputes the shard's missing chunks itself when the
@@ -64,7 +64,7 @@ from pathlib import Path
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.serve import wire
-from eagleflow.serve.private import engine_dir, private_dir, read_private, write_private
+from eagleflow.store.private import engine_dir, private_dir, read_private, write_private
 
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
 KINDS = ("capture", "generate")  # what a server's engine is built for, and the request it serves
@@ -121,7 +121,7 @@ def registry_dir() -> Path:
     """Where this user's live servers on this host say who they are (`ServerSpec.registry_file`),
     so that a job about to load an engine can ask the idle ones of its run to stop first:
     `$XDG_RUNTIME_DIR/eagleflow-engines`, else `<tmp>/eagleflow-engines-<uid>`, a folder of
-    this uid's with mode 0700 (made so, or the run stops: `eagleflow.serve.private`)."""
+    this uid's with mode 0700 (made so, or the run stops: `eagleflow.store.private`)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return private_dir(Path(runtime) / "eagleflow-engines")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagleflow.serve import wire
 from eagleflow.serve.client import LOADED, ServerSpec, alive, read_key, registry_dir
-from eagleflow.serve.private import read_private, write_private
+from eagleflow.store.private import read_private, write_private
 
 
 class ToClient:

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from eagleflow.serve.private import read_private, write_private
+from eagleflow.store.private import read_private, write_private
 
 DAYS = 30  # a run's server lives hours; its certificate is made again at each start
 

@@ -27,9 +27,9 @@ import numpy as np
 from safetensors import safe_open
 
 from eagleflow.data.shards import TokenShard
-from eagleflow.serve.private import write_private
 from eagleflow.store.direct_io import ALIGN, round_up
 from eagleflow.store.locks import fsync_dir
+from eagleflow.store.private import write_private
 from eagleflow.store.quant import SCALES_KEY
 from eagleflow.store.shardfile import plan_shard_file, prepare
 
