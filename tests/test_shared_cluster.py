@@ -509,3 +509,32 @@ def test_a_server_without_the_key_is_not_believed(tmp_path):
         wire.connect(address, socket.AF_UNIX, os.urandom(32), 10)
     thread.join(timeout=10)
     squatter.close()
+
+
+def test_a_queued_engine_job_is_cancelled_when_its_submitter_fails(spec, tmp_path, monkeypatch):
+    """The job that submitted the engine server is interrupted while the server waits in the
+    queue: the queued job is cancelled, not left to start an engine nobody will use."""
+    import eagleflow.serve.client as client_module
+
+    spec, _ = spec
+    from dataclasses import replace
+
+    spec = replace(spec, tcp=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cancelled = tmp_path / "cancelled"
+    (bin_dir / "sbatch").write_text("#!/bin/bash\necho 4343\n")  # queued, never started
+    (bin_dir / "squeue").write_text("#!/bin/bash\necho PENDING\n")
+    (bin_dir / "scancel").write_text(f"#!/bin/bash\necho \"$@\" >> '{cancelled}'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+
+    def interrupted(job_id):
+        raise KeyboardInterrupt  # the job's own time limit, a Ctrl-C, any error
+
+    monkeypatch.setattr(client_module, "slurm_job_alive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        EngineClient(spec, FAKE_SERVER, log=lambda *_: None).__enter__()
+    assert cancelled.read_text().split() == ["4343"]

@@ -122,9 +122,7 @@ def check_token_shards():
     that was deleted is moved aside, so the checkpoint re-shards instead of the extraction
     jobs lacking their input."""
     set_aside_incomplete_manifest(
-        f"{R}/shards",
-        log=lambda m: print(m, file=sys.stderr),
-        dry_run=workflow.dryrun,
+        f"{R}/shards", log=lambda m: print(m, file=sys.stderr)
     )
 
 

@@ -18,7 +18,10 @@ missing token shard (or cannot be read) is moved aside, and the checkpoint re-sh
 Two things are never touched: a shard whose extract job holds its lock
 (`<hidden dir>/.partial/<shard>/lock`, `eagleflow.extract.shard.shard_lock`: between the
 link into place and the record, a running job's shard looks unfinished), and anything at all
-in a dry run (`snakemake -n`), which only reports what a real run would move.
+in a dry run (`snakemake -n`), which only reports what a real run would move. The manifest
+is the exception: a dry run moves it aside too, since no job writes a manifest that lists a
+missing token shard and without the move the dry run cannot plan at all (the extraction jobs
+would lack their input).
 """
 
 from __future__ import annotations
@@ -124,9 +127,7 @@ def check_finished_shards(
     return bad
 
 
-def set_aside_incomplete_manifest(
-    shards_dir: str | Path, log=print, dry_run: bool = False
-) -> Path | None:
+def set_aside_incomplete_manifest(shards_dir: str | Path, log=print) -> Path | None:
     """Move `<shards_dir>/manifest.parquet` to `<shards_dir>/quarantine/` when a token shard it
     lists is missing from `<shards_dir>/tokens/` (or the manifest is unreadable), so that the
     shard checkpoint runs again; return where it went."""
@@ -146,9 +147,6 @@ def set_aside_incomplete_manifest(
         missing = sorted(s for s in ids if f"{s}.safetensors" not in names)
         problems = [f"token shard {s}.safetensors is missing" for s in missing]
     if not problems:
-        return None
-    if dry_run:
-        log(f"eagleflow: {problems[0]}; a run would set {manifest} aside (dry run: kept)")
         return None
     dest = _move_aside(shards_dir, "manifest", [manifest], problems)
     what = (
