@@ -239,6 +239,9 @@ def test_trainer_runs_on_fp8_shards(tiny, tmp_path):
 
 def test_resume_after_crash_equals_uninterrupted_run(tiny, tmp_path):
     run_train(tiny, tmp_path / "straight", steps=10)
+    # the last two checkpoints are kept (one lost or damaged leaves the one before)
+    kept = sorted(d.name for d in (tmp_path / "straight" / "checkpoints").iterdir())
+    assert kept == ["step-00000008", "step-00000010"]
     # "crash" after step 7: the last checkpoint is step 4, steps 5-7 are lost and redone
     first = run_train(tiny, tmp_path / "crashed", steps=10, stop_after=7)
     assert first["end_step"] == 7
