@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import numbers
 import secrets
 import socket
 import ssl
@@ -47,6 +48,10 @@ class AuthenticationFailed(WireError):
 def _encode(value, frames: list):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, numbers.Integral):  # numpy's scalars
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         frames.append(memoryview(value).cast("B"))
         return {"$b": len(frames) - 1}
