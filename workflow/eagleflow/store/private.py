@@ -4,7 +4,8 @@ user can have written, checked before anything in them is believed.
 - `private_dir`: a folder made with mode 0700, then `lstat`-checked: a directory (not a
   symlink), owned by this uid, mode 0700. Anything else stops the run with one sentence.
 - `engine_dir`: a `.engine/` folder (lock, key, spec and address files of an engine server),
-  made 0700; one that exists must be this uid's and writable by nobody else.
+  made 0700; one that exists must be this uid's and writable by nobody else (then it is
+  made 0700 too).
 - `read_private`: a file of such a folder, owned by this uid, writable by nobody else and, for
   a key, readable by nobody else; opened without following a symlink.
 - `write_private`: written under an unpredictable temporary name opened
@@ -73,6 +74,8 @@ def engine_dir(path, create: bool = True) -> Path:
             f"eagleflow will not use the engine files in {path}: {why}; remove the folder "
             "(or `chmod 700` it if it is yours) and rerun"
         )
+    if create and stat.S_IMODE(st.st_mode) != 0o700:  # one of an earlier version: 0755
+        os.chmod(path, 0o700)
     return path
 
 
