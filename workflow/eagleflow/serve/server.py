@@ -31,14 +31,19 @@ from eagleflow.store.private import read_private, write_private
 
 
 class ToClient:
-    """A file-like progress sink (tqdm) that sends its text to the client."""
+    """A file-like progress sink (tqdm) that sends its text to the client. A client gone in
+    the middle of a request does not fail it: the request runs to its end (its chunks are
+    committed, the engine stays in a known state), and its answer finds nobody."""
 
     def __init__(self, conn):
-        self.conn = conn
+        self.conn, self.gone = conn, False
 
     def write(self, text):
-        if text:
-            self.conn.send(("log", text))
+        if text and not self.gone:
+            try:
+                self.conn.send(("log", text))
+            except OSError:
+                self.gone = True
 
     def flush(self):
         pass
