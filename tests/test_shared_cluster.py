@@ -324,24 +324,26 @@ def test_a_second_trainer_on_the_same_work_folder_stops_with_a_sentence(tmp_path
     from eagleflow.draft.settings import TrainConfig
     from eagleflow.draft.train import train
 
-    work = tmp_path / "train.work"
+    work, holding = tmp_path / "train.work", tmp_path / "holding"
     first = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time\n"
+            "import pathlib, sys, time\n"
             "from eagleflow.store.locks import work_lock\n"
             "with work_lock(sys.argv[1], 'the trainer work folder', 'train.lock'):\n"
-            "    print('holding', flush=True)\n"
+            "    pathlib.Path(sys.argv[2]).touch()\n"
             "    time.sleep(120)\n",
             str(work),
+            str(holding),
         ],
         env=dict(os.environ, PYTHONPATH=python_env()),
-        stdout=subprocess.PIPE,
-        text=True,
     )
     try:
-        assert first.stdout.readline().strip() == "holding"
+        deadline = time.time() + 60
+        while not holding.exists():
+            assert first.poll() is None and time.time() < deadline, "the first trainer never held"
+            time.sleep(0.05)
         cfg = TrainConfig(max_steps=1, device="cpu")
         with pytest.raises(RuntimeError, match=f"{work} is in use by another process"):
             train([], tmp_path / "no-target", None, work, cfg)

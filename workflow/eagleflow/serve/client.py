@@ -199,7 +199,7 @@ class ServerSpec:
     def tcp_address(self) -> tuple[str, int] | None:
         """(host, port) a TCP server wrote when it started listening; None before."""
         try:
-            d = json.loads(self.file(".address").read_text())
+            d = json.loads(read_private(self.file(".address")))
             return d["host"], int(d["port"])
         except (OSError, ValueError, KeyError):
             return None
