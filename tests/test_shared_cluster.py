@@ -540,3 +540,40 @@ def test_a_queued_engine_job_is_cancelled_when_its_submitter_fails(spec, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         EngineClient(spec, FAKE_SERVER, log=lambda *_: None).__enter__()
     assert cancelled.read_text().split() == ["4343"]
+
+
+def test_messages_are_json_and_bytes_and_anything_else_is_a_named_wire_error():
+    """What the wire carries, and what a peer that breaks it gets: a WireError naming why,
+    for that connection only."""
+    from eagleflow.serve import wire
+
+    a, b = socket.socketpair()
+    left, right = wire.Connection(a), wire.Connection(b)
+    value = ["done", {"ids": [1, 2], "x": 0.5, "none": None, "raw": b"\x00\xff", "t": (1, "s")}]
+    left.send(value)
+    got = right.recv(10)
+    assert got == [
+        "done",
+        {"ids": [1, 2], "x": 0.5, "none": None, "raw": b"\x00\xff", "t": [1, "s"]},
+    ]
+    with pytest.raises(TypeError):
+        left.send(["x", {1, 2}])  # a set is not a wire value
+    for junk, why in [
+        (b"GET / HTTP/1.1\r\n\r\n", "magic bytes"),
+        (wire.MAGIC + struct.pack("<I", wire.MAX_HEADER + 1), "header of"),
+        (wire.MAGIC + struct.pack("<I", 4) + b"[1,2", "does not parse"),
+        (wire.MAGIC + struct.pack("<I", 21) + b'{"m": {"$b": 3}, "f": []}'[:21], "does not parse"),
+    ]:
+        a.sendall(junk)
+        with pytest.raises(wire.WireError, match=why):
+            right.recv(10)
+        a.close(), b.close()
+        a, b = socket.socketpair()
+        left, right = wire.Connection(a), wire.Connection(b)
+    frame_ref = b'{"m": {"$b": 3}, "f": []}'
+    a.sendall(wire.MAGIC + struct.pack("<I", len(frame_ref)) + frame_ref)
+    with pytest.raises(wire.WireError, match="names no frame"):
+        right.recv(10)
+    with pytest.raises(wire.PeerSilent):
+        right.recv(0.2)  # nothing more comes
+    a.close(), b.close()
