@@ -78,14 +78,20 @@ def _records(path: Path):
                 yield lineno, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})", text
                 continue
             try:
-                yield lineno, json.loads(line), line
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 yield lineno, f"malformed JSON ({e.msg} at column {e.colno})", line
+            except RecursionError:
+                yield lineno, "JSON nested too deeply to read", line[:2000]
+            else:
+                yield lineno, record, line
     elif suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from e
+        except RecursionError:
+            raise DatasetError(f"{path}: JSON nested too deeply to read") from None
         if not isinstance(data, list):
             raise DatasetError(f"{path}: a .json dataset must hold a list of conversations")
         for i, record in enumerate(data):
@@ -203,17 +209,20 @@ def _read_file(path: Path, require_assistant, rows, good, bad, seen) -> None:
             continue
         try:
             messages = normalize_messages(record, require_assistant)
+            source = record.get("source")
+            if isinstance(source, dict) and {"file", "row"} <= source.keys():
+                # a regenerated row (eagleflow.regenerate.shard) names the dataset row it answers
+                origin = (str(source["file"]), int(source["row"]))
+            else:
+                origin = (str(path), row)
+            given = record.get("id", record.get("question_id"))
+            sample_id = str(given) if given is not None else content_id(messages)
         except ValueError as e:
             bad.append(BadRow(str(path), row, str(e), raw))
             continue
-        source = record.get("source")
-        if isinstance(source, dict) and {"file", "row"} <= source.keys():
-            # a regenerated row (eagleflow.regenerate.shard) names the dataset row it answers
-            origin = (str(source["file"]), int(source["row"]))
-        else:
-            origin = (str(path), row)
-        given = record.get("id", record.get("question_id"))
-        sample_id = str(given) if given is not None else content_id(messages)
+        except Exception as e:  # any other per-row failure is this row's, named
+            bad.append(BadRow(str(path), row, f"unreadable row ({type(e).__name__}: {e})", raw))
+            continue
         if sample_id in seen:
             bad.append(BadRow(*origin, f"duplicate sample id {sample_id!r}", raw))
             continue

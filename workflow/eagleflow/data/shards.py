@@ -222,7 +222,12 @@ def _tokenize_file(path, tokenizer, max_length: int, seen: set):
     rows_read = len(conversations) + len(bad)
     kept, tokenized = [], []
     for conv in conversations:
-        t = tokenize_conversation(tokenizer, conv.messages, max_length)
+        try:
+            t = tokenize_conversation(tokenizer, conv.messages, max_length)
+        except Exception as e:  # the template fails on this row (RecursionError included)
+            reason = f"the chat template fails on this row ({type(e).__name__}: {e})"
+            bad.append(BadRow(conv.source_file, conv.source_row, reason, conv.sample_id))
+            continue
         if t.loss_mask.any():
             kept.append(conv)
             tokenized.append(t)

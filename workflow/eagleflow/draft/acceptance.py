@@ -275,8 +275,11 @@ def run_vllm(
     """`eagleflow.draft.spec_decode_check` in a subprocess; returns its JSON or {"error": ...}."""
     import tempfile
 
+    if workdir is None:  # a private folder of its own, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="eagleflow-acc-") as tmp:
+            return run_vllm(engine, speculation, prompts, max_tokens, tmp, log)
     method, k = speculation.method, speculation.k
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="eagleflow-acc-"))
+    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     prompt_file = workdir / f"{method}.prompts.json"
     prompt_file.write_text(json.dumps([p["prompt_token_ids"] for p in prompts]))
