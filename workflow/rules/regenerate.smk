@@ -31,6 +31,7 @@ checkpoint split_sources:
         max_length=config["data"]["max_length"],
         max_new_tokens=REGENERATE["max_new_tokens"],
         mla=REGENERATE["mla"],
+        chat_template_kwargs=config["data"]["chat_template_kwargs"],
     script:
         "../scripts/split_sources.py"
 

@@ -28,5 +28,8 @@ checkpoint shard:
         shard_size=config["data"]["shard_size"],
         max_length=config["data"]["max_length"],
         on_bad_row=config["data"]["on_bad_row"],
+        chat_template_kwargs=config["data"]["chat_template_kwargs"],
+        reasoning_samples=config["data"]["reasoning_samples"],
+        on_unrendered_field=config["data"]["on_unrendered_field"],
     script:
         "../scripts/shard.py"

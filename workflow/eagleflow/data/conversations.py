@@ -159,8 +159,10 @@ def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[di
     messages = []
     for i, turn in enumerate(turns):
         calls = isinstance(turn, dict) and names is None and turn.get("tool_calls")
-        if not isinstance(turn, dict) or role_key not in turn or (
-            text_key not in turn and not calls
+        if (
+            not isinstance(turn, dict)
+            or role_key not in turn
+            or (text_key not in turn and not calls)
         ):
             raise ValueError(f"turn {i} lacks `{role_key}` or `{text_key}`")
         speaker = turn[role_key]

@@ -105,10 +105,14 @@ def regenerate_conversations(
     return rows, bad, stats
 
 
-def chat_renderer(tokenizer):
+def chat_renderer(tokenizer, chat_template_kwargs: dict | None = None):
+    """messages -> prompt token ids: the chat template with `data.chat_template_kwargs` and the
+    generation prompt."""
+    kwargs = dict(chat_template_kwargs or {})
+
     def render(messages):
         out = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
         )
         return list(out["input_ids"])
 

@@ -41,6 +41,7 @@ class Regeneration:
     max_new_tokens: int  # data.regenerate.max_new_tokens: most tokens per reply
     chunk_rows: int  # data.regenerate.chunk_rows: conversations per committed chunk
     on_bad_row: str = "error"  # data.on_bad_row: "error" stops the job, "skip" rejects the row
+    chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
 
     @classmethod
     def from_config(cls, config: dict) -> Regeneration:
@@ -51,6 +52,7 @@ class Regeneration:
             max_new_tokens=data["regenerate"]["max_new_tokens"],
             chunk_rows=data["regenerate"]["chunk_rows"],
             on_bad_row=data["on_bad_row"],
+            chat_template_kwargs=dict(data["chat_template_kwargs"]),
         )
 
 
@@ -201,7 +203,7 @@ def answer_chunks(
 
     from eagleflow.target.load import load_tokenizer
 
-    render = chat_renderer(load_tokenizer(settings.target))
+    render = chat_renderer(load_tokenizer(settings.target), settings.chat_template_kwargs)
     t_engine = time.time()
     generate = generator()
     answered = Answered(generator=generate, engine_start_s=time.time() - t_engine)

@@ -28,16 +28,24 @@ REGENERATION_CODE_VERSION = 1
 
 
 def regeneration_identity(
-    target_identity: dict, max_new_tokens: int, max_length: int, mla: bool
+    target_identity: dict,
+    max_new_tokens: int,
+    max_length: int,
+    mla: bool,
+    chat_template_kwargs: dict | None = None,
 ) -> dict:
-    """What, besides the rows, decides a source shard's replies."""
-    return {
+    """What, besides the rows, decides a source shard's replies (`data.chat_template_kwargs`
+    only when set: the ids of shards made before the key existed stay as they were)."""
+    identity = {
         "target": target_identity,
         "max_new_tokens": int(max_new_tokens),
         "max_length": int(max_length),
         "mla": bool(mla),
         "regeneration_code_version": REGENERATION_CODE_VERSION,
     }
+    if chat_template_kwargs:
+        identity["chat_template_kwargs"] = dict(chat_template_kwargs)
+    return identity
 
 
 def raw_rows(path: str | Path) -> list[tuple[int, bytes]]:
