@@ -229,7 +229,9 @@ def test_instant_mode_and_a_thinking_prompt_that_contradicts_the_data(tokenizer)
 
 def _outputs(tmp_path, name="out"):
     d = tmp_path / name
-    return TokenShardOutputs(d / "tokens", d / "manifest.parquet", d / "rejects.jsonl")
+    return TokenShardOutputs(
+        d / "tokens", d / "manifest.parquet", d / "rejects.jsonl", d / "summary.json"
+    )
 
 
 ROWS = [
@@ -309,6 +311,8 @@ def test_a_template_that_ignores_reasoning_is_counted_or_stops_the_run(tokenizer
         data, tok_dir, _outputs(tmp_path), shard_size=2, max_length=4096, on_bad_row="error"
     )
     assert summary["fields_not_rendered"] == {"reasoning_content": 1}
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert written["fields_not_rendered"] == {"reasoning_content": 1} and written == summary
     assert summary["forms"]["inline_think"] == {"rows": 1, "samples": 1, "reasoning_tokens": 0}
     with pytest.raises(
         DatasetError,

@@ -14,6 +14,7 @@ checkpoint shard:
         manifest=f"{R}/shards/manifest.parquet",
         tokens=directory(f"{R}/shards/tokens"),
         rejects=f"{R}/shards/rejects.jsonl",
+        summary=f"{R}/shards/summary.json",
     log:
         f"{R}/logs/shard.log",
     benchmark:

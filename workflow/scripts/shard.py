@@ -12,6 +12,7 @@ with redirect_to_log(snakemake.log[0]):
             Path(snakemake.output.tokens),
             Path(snakemake.output.manifest),
             Path(snakemake.output.rejects),
+            Path(snakemake.output.summary),
         ),
         shard_size=snakemake.params.shard_size,
         max_length=snakemake.params.max_length,

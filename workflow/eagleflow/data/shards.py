@@ -146,6 +146,7 @@ class TokenShardOutputs:
     tokens: Path  # directory of <shard_id>.safetensors token shards
     manifest: Path  # Parquet, one row per kept sample (manifest_frame)
     rejects: Path  # JSON lines, this stage's rejects then earlier stages'; empty if none
+    summary: Path | None = None  # JSON: shard_dataset's summary (forms, fields_not_rendered)
 
 
 def shard_dataset(
@@ -215,6 +216,10 @@ def shard_dataset(
         "loss_tokens": int(frame["n_loss_tokens"].sum()),
         **tally.summary(),
     }
+    if out.summary is not None:
+        tmp = out.summary.with_name(out.summary.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.replace(out.summary)
     log(
         f"sharded {len(paths)} file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''}): "
         f"{rows_read} rows read, {tally.rows} kept as {len(kept_all)} samples, "
