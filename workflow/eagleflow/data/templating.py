@@ -151,6 +151,23 @@ def _truncate(t: Tokenized, max_length: int) -> Tokenized:
 
 def _samples(tokenizer, messages, tools, settings) -> list[Tokenized]:
     """The conversation cut into samples by rendering (module docstring)."""
+    if has_generation_markers(tokenizer) and _renders_consistently(
+        tokenizer, messages, tools, settings
+    ):  # one sample, masked by the template's own markers (one tokenized call)
+        out = tokenizer.apply_chat_template(
+            messages,
+            tools=list(tools) if tools else None,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **settings.kwargs,
+        )
+        return [
+            Tokenized(
+                np.asarray(out["input_ids"], dtype=np.int64),
+                np.asarray(out["assistant_masks"], dtype=np.uint8),
+            )
+        ]
 
     def render(n, gen=False):
         return _apply(tokenizer, messages[:n], tools, settings, True, gen)
@@ -183,19 +200,21 @@ def _samples(tokenizer, messages, tools, settings) -> list[Tokenized]:
         mask += [int(assistant)] * (len(full) - len(ids))
         ids = full
     close()
-    if len(done) == 1 and has_generation_markers(tokenizer) and len(done[0].input_ids) == len(ids):
-        out = tokenizer.apply_chat_template(
-            messages,
-            tools=list(tools) if tools else None,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            **settings.kwargs,
-        )
-        marked = np.asarray(out["input_ids"], dtype=np.int64)
-        if np.array_equal(marked, done[0].input_ids):
-            return [Tokenized(marked, np.asarray(out["assistant_masks"], dtype=np.uint8))]
     return done
+
+
+def _renders_consistently(tokenizer, messages, tools, settings) -> bool:
+    """Whether every rendering of a growing prefix (and each assistant turn's generation
+    prompt) extends the one before, as text: then the conversation is one sample."""
+    text = ""
+    for i, message in enumerate(messages):
+        steps = [(i, True)] if message["role"] == "assistant" and i > 0 else []
+        for n, gen in [*steps, (i + 1, False)]:
+            nxt = _apply(tokenizer, messages[:n], tools, settings, False, gen)
+            if not nxt.startswith(text):
+                return False
+            text = nxt
+    return True
 
 
 def _present_fields(messages, tools) -> tuple[str, ...]:
