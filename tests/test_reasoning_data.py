@@ -424,3 +424,32 @@ def test_read_conversations_keeps_tools_and_forms(tmp_path):
         (),
     ]
     assert good[0].tools == tuple(TOOLS) and good[1].tools == ()
+
+
+def test_regeneration_names_tool_rows_it_cannot_answer_and_keeps_user_fields(tmp_path):
+    """Regeneration drops the assistant turns; a row with tool traffic would keep tool results
+    whose calls are gone, so it is a named reject, never silently regenerated."""
+    from eagleflow.regenerate.replies import TOOL_ROWS, regenerate_conversations
+
+    named = {"id": "named", "messages": [{"role": "user", "content": "Hi", "name": "ann"}]}
+    data = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], named])
+    convs, bad = read_conversations(data, require_assistant=False)
+    seen = []
+
+    def render(messages):
+        seen.append(messages)
+        return [1, 2, 3]
+
+    rows, bad, stats = regenerate_conversations(convs, lambda p: ["ok"] * len(p), render, 100)
+    assert [(b.source_row, b.reason) for b in bad] == [(1, TOOL_ROWS)]
+    assert rows == [
+        {
+            "id": "named",
+            "messages": [
+                {"role": "user", "content": "Hi", "name": "ann"},
+                {"role": "assistant", "content": "ok"},
+            ],
+        }
+    ]
+    assert seen == [[{"role": "user", "content": "Hi", "name": "ann"}]]
+    assert stats["rejected"] == 1

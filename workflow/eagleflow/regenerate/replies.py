@@ -31,10 +31,19 @@ GENERATE_SERVER = "eagleflow.regenerate.generate_server"
 
 
 def prompt_turns(messages) -> list[dict]:
-    """A conversation's turns without its assistant turns."""
-    return [
-        {"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"
-    ]
+    """A conversation's turns without its assistant turns (their other fields, a user's `name`,
+    kept for the template)."""
+    return [dict(m) for m in messages if m["role"] != "assistant"]
+
+
+def _tool_traffic(c: Conversation) -> bool:
+    return bool(c.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in c.messages)
+
+
+TOOL_ROWS = (
+    "tool turns cannot be regenerated yet (the target's new tool calls would need new tool "
+    "results); set `data.regenerate.enabled: false` for tool traffic, or remove the row"
+)
 
 
 def regenerate_conversations(
@@ -47,6 +56,8 @@ def regenerate_conversations(
     A conversation stops (its later turns dropped) once its next prompt would be at least
     `max_prompt_tokens` long: sharding truncates there anyway.
     """
+    tool_rows = [c for c in conversations if _tool_traffic(c)]
+    conversations = [c for c in conversations if not _tool_traffic(c)]
     pending = [prompt_turns(c.messages) for c in conversations]
     done: list[list[dict]] = [[] for _ in conversations]
     answered = [0] * len(conversations)
@@ -81,7 +92,7 @@ def regenerate_conversations(
             answered[i] += 1
         rounds += 1
         log(f"round {rounds}: {len(batch)} prompts answered in {time.time() - t0:.1f}s")
-    rows, bad = [], []
+    rows, bad = [], [BadRow(c.source_file, c.source_row, TOOL_ROWS, c.sample_id) for c in tool_rows]
     for c, msgs, n in zip(conversations, done, answered):
         if n == 0:
             bad.append(
@@ -95,6 +106,7 @@ def regenerate_conversations(
             )
             continue
         rows.append({"id": c.sample_id, "messages": msgs})
+    bad.sort(key=lambda b: b.source_row)
     stats = {
         "conversations": len(rows),
         "rounds": rounds,
