@@ -300,3 +300,30 @@ def test_the_replica_talks_like_k25_thinking_by_default_with_kimis_tool_call_tok
     assert tok.decode(second.input_ids[second.loss_mask == 1]) == "Sure.</think>Yes.<|im_end|>"
     instant = render_conversation(tok, messages, 10_000, TemplateSettings({"thinking": False}))
     assert len(instant.samples) == 1 and instant.not_rendered == ("reasoning_content",)
+
+
+def test_the_agent_families_reason_and_call_tools_through_the_replica_template(tok):
+    """`reasoning` and `tool_lookup` (drawn only when named): each row one sample on the
+    replica's template, its reasoning and tool call inside the mask; the default corpus is
+    unchanged by their existence."""
+    from eagleflow.data.conversations import normalize_messages
+    from eagleflow.data.templating import render_conversation
+
+    assert generate_conversations(300, seed=1) == BUNDLED
+    rows = generate_conversations(40, seed=3, families=["reasoning", "tool_lookup"])
+    assert {r["family"] for r in rows} == {"reasoning", "tool_lookup"}
+    inline = 0
+    for row in rows:
+        inline += "<think>" in row["messages"][-1]["content"]
+        messages = normalize_messages(row)
+        r = render_conversation(tok, messages, 10_000)
+        assert len(r.samples) == 1 and r.not_rendered == (), row
+        t = r.samples[0][1]
+        trained = tok.decode(t.input_ids[t.loss_mask == 1])
+        for m in messages:
+            if m["role"] == "assistant":
+                assert m["reasoning_content"] + "</think>" + m["content"] in trained
+        if row["family"] == "tool_lookup":
+            assert "<|tool_call_begin|>functions.lookup_capital:0" in trained
+            assert "## Return of" not in trained
+    assert 0 < inline < sum(r["family"] == "reasoning" for r in rows)
