@@ -453,3 +453,25 @@ def test_regeneration_names_tool_rows_it_cannot_answer_and_keeps_user_fields(tmp
     ]
     assert seen == [[{"role": "user", "content": "Hi", "name": "ann"}]]
     assert stats["rejected"] == 1
+
+
+def test_truncation_drops_a_later_sample_and_counts_it(tokenizer, tmp_path):
+    """A sample whose truncation leaves no loss token is not kept, and is counted; the row
+    stays while one of its samples has loss tokens."""
+    tok = kimi_style(tokenizer)
+    full = render_conversation(tok, normalize_messages(ROWS[1]), 10_000)
+    first, second = (t for _, t in full.samples)
+    cut = int(np.flatnonzero(second.loss_mask)[0])  # the second sample's first trained token
+    assert cut > int(np.flatnonzero(first.loss_mask)[0])
+    short = render_conversation(tok, normalize_messages(ROWS[1]), cut)
+    assert [s for s, _ in short.samples] == ["#turn1"] and short.dropped_samples == 1
+    data = write_jsonl(tmp_path / "d.jsonl", [ROWS[1]])
+    summary = shard_dataset(
+        data,
+        _save(tok, tmp_path, "kimi"),
+        _outputs(tmp_path),
+        shard_size=2,
+        max_length=cut,
+        on_bad_row="error",
+    )
+    assert summary["samples"] == 1 and summary["samples_truncated_away"] == 1

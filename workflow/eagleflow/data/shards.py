@@ -243,12 +243,14 @@ class FieldTally:
     """Rows, samples and reasoning tokens kept per form, and the fields the template ignored."""
 
     rows: int = 0
+    truncated_away: int = 0  # samples of kept rows whose truncation left no loss token
     forms: dict = field(default_factory=dict)  # form -> {rows, samples, reasoning_tokens}
     not_rendered: dict = field(default_factory=dict)  # field -> rows
     first: tuple | None = None  # (field, file, row) of the first ignored field
 
     def add(self, conv: Conversation, rendered) -> None:
         self.rows += 1
+        self.truncated_away += rendered.dropped_samples
         for form in conv.forms:
             f = self.forms.setdefault(form, {"rows": 0, "samples": 0, "reasoning_tokens": 0})
             f["rows"] += 1
@@ -260,7 +262,11 @@ class FieldTally:
                 self.first = (name, conv.source_file, conv.source_row)
 
     def summary(self) -> dict:
-        return {"forms": self.forms, "fields_not_rendered": self.not_rendered}
+        return {
+            "samples_truncated_away": self.truncated_away,
+            "forms": self.forms,
+            "fields_not_rendered": self.not_rendered,
+        }
 
     def error(self) -> str:
         name, file, row = self.first

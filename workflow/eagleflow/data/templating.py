@@ -110,7 +110,11 @@ def tokenize_conversation(
 ) -> Tokenized:
     """One conversation as one sample (target training, tests): the template must render it
     consistently; a reasoning template's several samples are `render_conversation`'s."""
-    samples = _samples(tokenizer, list(messages), tools, settings)
+    messages = list(messages)
+    samples = _samples(tokenizer, messages, tools, settings)
+    if not samples:  # nothing to train on (no assistant turn): the rendering, all unmasked
+        ids = np.asarray(_apply(tokenizer, messages, tools, settings, True), dtype=np.int64)
+        samples = [Tokenized(ids, np.zeros(len(ids), dtype=np.uint8))]
     if len(samples) != 1:
         raise TemplateMismatch(
             f"the chat template renders this conversation as {len(samples)} samples (it "
