@@ -475,3 +475,34 @@ def test_truncation_drops_a_later_sample_and_counts_it(tokenizer, tmp_path):
         on_bad_row="error",
     )
     assert summary["samples"] == 1 and summary["samples_truncated_away"] == 1
+
+
+@pytest.mark.slow
+def test_the_shard_rule_counts_or_refuses_fields_its_template_ignores(tmp_path):
+    """Through Snakemake, sharding only (the untrained embedded target, whose template renders
+    role and content): the summary names the fields it ignores; `on_unrendered_field: error`
+    stops the run in one sentence naming field and row."""
+    from support.workflow_runner import snakemake
+
+    data = write_jsonl(tmp_path / "mixed.jsonl", ROWS)
+    config = {"data": {"path": str(data), "shard_size": 4}}
+    snakemake(tmp_path, "results/shards/manifest.parquet", config=config)
+    summary = json.loads((tmp_path / "results" / "shards" / "summary.json").read_text())
+    assert summary["conversations"] == 3 and summary["samples"] == 3
+    assert summary["fields_not_rendered"] == {
+        "reasoning_content": 2,
+        "tool_calls": 1,
+        "tool_call_id": 1,
+        "name": 1,
+        "tools": 1,
+    }
+    assert summary["forms"]["tool_calls"]["rows"] == 1
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    config["data"]["on_unrendered_field"] = "error"
+    proc = snakemake(strict, "results/shards/manifest.parquet", config=config, check=False)
+    assert proc.returncode != 0
+    log = (strict / "results" / "logs" / "shard.log").read_text()
+    assert (
+        "mixed.jsonl, row 1: the chat template does not render the row's `reasoning_content`" in log
+    )
