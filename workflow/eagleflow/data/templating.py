@@ -233,11 +233,13 @@ def _without(messages, tools, name):
 
 
 def _renders_field(tokenizer, messages, tools, settings, name) -> bool:
-    """Whether the template renders `name` anywhere: some prefix ending on a message (the
-    turn being written, where reasoning templates keep reasoning) renders differently
-    without it."""
+    """Whether the template renders `name`: the rendering ending on a message that carries it
+    (the turn being written, where reasoning templates keep reasoning), or the whole
+    conversation (where that message is history), differs without it. Two renderings per
+    place, not one per prefix: agent traces are long."""
     bare, bare_tools = _without(messages, tools, name)
-    for n in range(1, len(messages) + 1):
+    ends = [] if name == "tools" else [i + 1 for i, m in enumerate(messages) if name in m]
+    for n in dict.fromkeys([*ends, len(messages)]):
         with_it = _apply(tokenizer, messages[:n], tools, settings, False)
         if with_it != _apply(tokenizer, bare[:n], bare_tools, settings, False):
             return True
