@@ -506,3 +506,41 @@ def test_the_shard_rule_counts_or_refuses_fields_its_template_ignores(tmp_path):
     assert (
         "mixed.jsonl, row 1: the chat template does not render the row's `reasoning_content`" in log
     )
+
+
+def test_chat_template_kwargs_reach_regeneration_evaluation_and_the_fingerprints(
+    tokenizer, tmp_path
+):
+    from eagleflow.draft.acceptance import load_prompts
+    from eagleflow.extract.fingerprint import extraction_fingerprint
+    from eagleflow.regenerate.replies import chat_renderer
+    from eagleflow.regenerate.sources import regeneration_identity
+
+    tok = kimi_style(tokenizer)
+    think, empty = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    prompt = [{"role": "user", "content": "Hi"}]
+    assert chat_renderer(tok)(prompt)[-1] == think  # thinking mode by default
+    assert chat_renderer(tok, {"thinking": False})(prompt)[-2:] == [think, empty]
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"id": f"p{i}", "turns": [f"Q{i}?"]} for i in range(4)]
+    )
+    tok_dir = _save(tok, tmp_path, "kimi")
+    default = load_prompts(data, tok_dir, limit=4, modulus=2)
+    instant = load_prompts(
+        data, tok_dir, limit=4, modulus=2, chat_template_kwargs={"thinking": False}
+    )
+    assert default and [p["sample_id"] for p in default] == [p["sample_id"] for p in instant]
+    assert all(p["prompt_token_ids"][-1] == think for p in default)
+    assert all(p["prompt_token_ids"][-2:] == [think, empty] for p in instant)
+    # Source shard ids and the extraction fingerprint: unchanged without kwargs, new with.
+    target = {"config.json": "x"}
+    assert regeneration_identity(target, 8, 512, True, {}) == regeneration_identity(
+        target, 8, 512, True
+    )
+    assert "chat_template_kwargs" not in regeneration_identity(target, 8, 512, True)
+    assert regeneration_identity(target, 8, 512, True, {"thinking": False})["chat_template_kwargs"]
+    args = (target, [2, 4, 5, 8], "vllm", 512, "bfloat16", "auto", "0.32.0", "bfloat16")
+    old, record = extraction_fingerprint(*args)
+    assert extraction_fingerprint(*args, {})[0] == old and "chat_template_kwargs" not in record
+    new, record = extraction_fingerprint(*args, {"thinking": False})
+    assert new != old and record["chat_template_kwargs"] == {"thinking": False}
