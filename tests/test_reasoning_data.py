@@ -544,3 +544,22 @@ def test_chat_template_kwargs_reach_regeneration_evaluation_and_the_fingerprints
     assert extraction_fingerprint(*args, {})[0] == old and "chat_template_kwargs" not in record
     new, record = extraction_fingerprint(*args, {"thinking": False})
     assert new != old and record["chat_template_kwargs"] == {"thinking": False}
+
+
+def test_the_published_kimi_history_rule_is_reported_not_guessed(tokenizer):
+    """Kimi-K2-Thinking's published rule keeps reasoning only after the last assistant turn
+    without tool calls: a finished answer's reasoning is rendered nowhere (counted), and a
+    tool loop that ends in an answer empties the loop's reasoning once the answer follows, so
+    the answer's tokens cannot be told from its context (a named reject, not a guess)."""
+    from support.chat_templates import kimi_published_rule, kimi_tokens
+
+    tok = with_template(tokenizer, kimi_published_rule(), kimi_tokens())
+    answer = normalize_messages(ROWS[1])[:2]
+    r = render_conversation(tok, answer, 10_000)
+    assert len(r.samples) == 1 and r.not_rendered == ("reasoning_content",)
+    with pytest.raises(TemplateMismatch, match="message 3 \\(assistant\\)"):
+        render_conversation(tok, AGENT, 10_000, tools=TOOLS)
+    # The loop itself, before its answer, trains on its reasoning and tool call.
+    loop = render_conversation(tok, AGENT[:3], 10_000, tools=TOOLS)
+    trained = tok.decode(loop.samples[0][1].input_ids[loop.samples[0][1].loss_mask == 1])
+    assert trained.startswith("Call the tool.</think><|tool_calls_section_begin|>")

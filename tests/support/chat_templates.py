@@ -1,10 +1,15 @@
 """Reasoning chat templates for the templating tests, on the tiny test tokenizer.
 
-QWEN3_STYLE follows Qwen3's published template: reasoning kept only on assistant turns after
+QWEN3_STYLE follows Qwen3's published template (its tool instructions shortened): reasoning
+kept only on assistant turns after
 the last user query (`<think>\\n...\\n</think>\\n\\n`), inline `</think>` split out of content when
 `reasoning_content` is absent, tool calls as `<tool_call>` JSON, tool results as user turns in
 `<tool_response>`, `enable_thinking: false` adding an empty think block to the generation
 prompt. The Kimi-style template is the replica's own (eagleflow.embedded.tiny_kimi).
+`kimi_published_rule()` keeps reasoning as Kimi-K2-Thinking's published template does (as
+read in tinker-cookbook's renderer and the template's `hist_msgs` / `suffix_msgs` split): only
+on assistant turns after the last assistant turn without tool calls, so a finished answer
+never shows its reasoning.
 """
 
 from __future__ import annotations
@@ -116,12 +121,38 @@ def with_template(tokenizer, template: str, tokens=()):
     return tok
 
 
+def kimi_tokens():
+    from eagleflow.embedded import tiny_kimi
+
+    return [n for n in tiny_kimi.SPECIAL_OFFSETS if n.startswith("<")]
+
+
 def kimi_style(tokenizer):
     from eagleflow.embedded import tiny_kimi
 
-    names = [n for n in tiny_kimi.SPECIAL_OFFSETS if n.startswith("<")]
-    return with_template(tokenizer, tiny_kimi.CHAT_TEMPLATE, names)
+    return with_template(tokenizer, tiny_kimi.CHAT_TEMPLATE, kimi_tokens())
 
 
 def qwen3_style(tokenizer):
     return with_template(tokenizer, QWEN3_STYLE, QWEN3_TOKENS)
+
+
+def kimi_published_rule():
+    """The replica's template with the published template's history rule (module docstring)."""
+    from eagleflow.embedded import tiny_kimi
+
+    rule = (
+        "{%- set ns = namespace(last_user=-1) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}"
+        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+    )
+    old = (
+        "{%- set ns = namespace(last_user=-1) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+    )
+    assert old in tiny_kimi.CHAT_TEMPLATE
+    return tiny_kimi.CHAT_TEMPLATE.replace(old, rule)
