@@ -563,3 +563,102 @@ def test_the_published_kimi_history_rule_is_reported_not_guessed(tokenizer):
     loop = render_conversation(tok, AGENT[:3], 10_000, tools=TOOLS)
     trained = tok.decode(loop.samples[0][1].input_ids[loop.samples[0][1].loss_mask == 1])
     assert trained.startswith("Call the tool.</think><|tool_calls_section_begin|>")
+
+
+def _prompt_rows():
+    return [
+        {"id": "two", "turns": ["What is 2 plus 2?", "And 3 plus 3?"]},
+        {"id": "one", "turns": ["Spell cat."]},
+    ]
+
+
+def test_replies_cut_by_the_budget_are_counted_kept_or_dropped(tmp_path):
+    from eagleflow.regenerate.replies import ReplyForm, regenerate_conversations
+
+    data = write_jsonl(tmp_path / "d.jsonl", _prompt_rows())
+    convs, _ = read_conversations(data, require_assistant=False)
+
+    def generate(prompts):  # the second turn of "two" and the only turn of "one" run out
+        return [
+            ("cut" if len(p) != 1 else "done", "length" if len(p) != 1 else "stop") for p in prompts
+        ]
+
+    def render(messages):
+        return [0] * len(messages) if messages[0]["content"].startswith("What") else [0, 0]
+
+    rows, bad, stats = regenerate_conversations(convs, generate, render, 100)
+    assert stats["truncated"] == 2 and stats["truncated_dropped"] == 0 and not bad
+    assert [len(r["messages"]) for r in rows] == [4, 2]
+    rows, bad, stats = regenerate_conversations(
+        convs, generate, render, 100, form=ReplyForm(on_truncated="drop")
+    )
+    assert stats["truncated"] == 2 and stats["truncated_dropped"] == 2
+    assert rows == [
+        {
+            "id": "two",
+            "messages": [
+                {"role": "user", "content": "What is 2 plus 2?"},
+                {"role": "assistant", "content": "done"},
+            ],
+        }
+    ]
+    assert [(b.source_row, b.reason) for b in bad] == [
+        (
+            2,
+            "the first reply was cut at data.regenerate.max_new_tokens, and "
+            "`data.regenerate.on_truncated: drop` drops it",
+        )
+    ]
+
+
+@pytest.mark.slow  # imports vLLM (its reasoning parsers), no engine
+def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_tokens(
+    tokenizer, tmp_path
+):
+    """Regeneration in thinking mode, the engine replaced by replies written out: each reply is
+    `reasoning</think>answer` after the replica-style prompt's <think>; vLLM's kimi_k2 parser
+    splits it, and the rows, sharded, render each turn's sample as exactly the prompt the
+    target was given plus the tokens it generated (history as the template renders it)."""
+    from eagleflow.regenerate.replies import (
+        ReplyForm,
+        chat_renderer,
+        reasoning_splitter,
+        regenerate_conversations,
+    )
+
+    tok = kimi_style(tokenizer)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    data = write_jsonl(tmp_path / "d.jsonl", _prompt_rows())
+    convs, _ = read_conversations(data, require_assistant=False)
+    render = chat_renderer(tok)
+    generated = []  # (prompt ids, generated ids) in order
+
+    def generate(prompts):
+        out = []
+        for p in prompts:
+            k = len(generated)
+            text = f"Step {k}: add them.</think>It is {k}."
+            generated.append((list(p), tok.encode(text, add_special_tokens=False) + [end]))
+            out.append((text, "stop"))
+        return out
+
+    form = ReplyForm(reasoning_splitter("kimi_k2", tok))
+    rows, bad, stats = regenerate_conversations(convs, generate, render, 1000, form=form)
+    assert not bad and stats["replies"] == 3
+    assert rows[0]["messages"][1] == {
+        "role": "assistant",
+        "content": "It is 0.",
+        "reasoning_content": "Step 0: add them.",
+    }
+    samples = {}
+    for row in rows:
+        r = render_conversation(tok, normalize_messages(row), 10_000)
+        samples.update({row["id"] + s: t for s, t in r.samples})
+    assert sorted(samples) == ["one", "two#turn1", "two#turn2"]
+    by_prompt = {tuple(p): g for p, g in generated}
+    for sid, t in samples.items():
+        first = int(np.flatnonzero(t.loss_mask)[0])
+        prompt = tuple(int(x) for x in t.input_ids[:first])
+        assert prompt in by_prompt, sid  # the context the target was given
+        np.testing.assert_array_equal(t.input_ids[first:], by_prompt[prompt])
+        assert t.loss_mask[first:].all()

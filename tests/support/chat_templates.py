@@ -1,7 +1,8 @@
 """Reasoning chat templates for the templating tests, on the tiny test tokenizer.
 
 QWEN3_STYLE follows Qwen3's published template (its tool instructions shortened): reasoning
-kept only on assistant turns after the last user query (`<think>\\n...\\n</think>\\n\\n`), inline `</think>` split out of content when
+kept only on assistant turns after the last user query (`<think>\\n...\\n</think>\\n\\n`),
+inline `</think>` split out of content when
 `reasoning_content` is absent, tool calls as `<tool_call>` JSON, tool results as user turns in
 `<tool_response>`, `enable_thinking: false` adding an empty think block to the generation
 prompt. The Kimi-style template is the replica's own (eagleflow.embedded.tiny_kimi).

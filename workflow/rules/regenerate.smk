@@ -32,6 +32,8 @@ checkpoint split_sources:
         max_new_tokens=REGENERATE["max_new_tokens"],
         mla=REGENERATE["mla"],
         chat_template_kwargs=config["data"]["chat_template_kwargs"],
+        reasoning_parser=REGENERATE["reasoning_parser"],
+        on_truncated=REGENERATE["on_truncated"],
     script:
         "../scripts/split_sources.py"
 

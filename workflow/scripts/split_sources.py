@@ -10,6 +10,8 @@ with redirect_to_log(snakemake.log[0]):
         p.max_length,
         p.mla,
         dict(p.chat_template_kwargs),
+        p.reasoning_parser,
+        p.on_truncated,
     )
     manifest = split_sources(snakemake.input.data, identity, p.shard_rows)
     write_manifest(manifest, snakemake.output.manifest)

@@ -33,9 +33,12 @@ def regeneration_identity(
     max_length: int,
     mla: bool,
     chat_template_kwargs: dict | None = None,
+    reasoning_parser: str | None = None,
+    on_truncated: str = "keep",
 ) -> dict:
-    """What, besides the rows, decides a source shard's replies (`data.chat_template_kwargs`
-    only when set: the ids of shards made before the key existed stay as they were)."""
+    """What, besides the rows, decides a source shard's replies (`data.chat_template_kwargs`,
+    `data.regenerate.reasoning_parser` and `on_truncated` only when set: the ids of shards made
+    before the keys existed stay as they were)."""
     identity = {
         "target": target_identity,
         "max_new_tokens": int(max_new_tokens),
@@ -45,6 +48,10 @@ def regeneration_identity(
     }
     if chat_template_kwargs:
         identity["chat_template_kwargs"] = dict(chat_template_kwargs)
+    if reasoning_parser:
+        identity["reasoning_parser"] = reasoning_parser
+    if on_truncated != "keep":
+        identity["on_truncated"] = on_truncated
     return identity
 
 
