@@ -214,8 +214,11 @@ def generate_replies(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # Markers kept as written: no spaces around them (vLLM inserts some for slow tokenizers
+    # such as Kimi's by default), or the reply would not render back to its tokens.
+    keep = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
     params = SamplingParams(
-        temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=not keep_special_tokens
+        temperature=0.0, max_tokens=max_new_tokens, **(keep if keep_special_tokens else {})
     )
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
