@@ -75,6 +75,12 @@ def test_openai_fields_are_kept_and_reasoning_is_read_in_three_forms():
     old = hashlib.sha256(json.dumps(plain, sort_keys=True, ensure_ascii=False).encode())
     assert content_id(plain) == old.hexdigest()[:16] != content_id(plain, tuple(TOOLS))
     assert normalize_tools({"tools": json.dumps(TOOLS)}) == normalize_tools({"tools": TOOLS})
+    # An empty reasoning is none (datasets carry `reasoning_content: ""` on every turn).
+    empty = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": ""},
+    ]
+    assert normalize_messages({"messages": empty}) == plain
 
 
 @pytest.mark.parametrize(

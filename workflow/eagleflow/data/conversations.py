@@ -54,7 +54,11 @@ FORMS = ("reasoning_content", "inline_think", "tool_calls")
 def record_forms(messages: tuple[dict, ...], record: dict) -> tuple[str, ...]:
     """The FORMS of a normalized row (`record`: the row as read)."""
     raw = record.get("messages") if isinstance(record.get("messages"), list) else []
-    given = any(isinstance(t, dict) and ("reasoning_content" in t or "reasoning" in t) for t in raw)
+    given = any(
+        isinstance(t, dict) and t.get(k) not in (None, "")
+        for t in raw
+        for k in ("reasoning_content", "reasoning")
+    )
     split = any("reasoning_content" in m for m in messages) and not given
     tools = record.get("tools") or any("tool_calls" in m or m["role"] == "tool" for m in messages)
     return tuple(f for f, on in zip(FORMS, (given, split, bool(tools))) if on)
@@ -185,7 +189,8 @@ def _fields(turn: dict, role: str, content: str, i: int) -> dict:
     """The template-read fields of OpenAI turn i (content included when reasoning is split off
     it); ValueError names a malformed one."""
     out = {}
-    given = [k for k in ("reasoning_content", "reasoning") if turn.get(k) is not None]
+    # An empty reasoning (many datasets carry `reasoning_content: ""` on every turn) is none.
+    given = [k for k in ("reasoning_content", "reasoning") if turn.get(k) not in (None, "")]
     if given:
         values = {turn[k] for k in given if isinstance(turn[k], str)}
         if len(values) != 1 or not all(isinstance(turn[k], str) for k in given):
