@@ -632,13 +632,17 @@ class EngineClient:
         doing = "capturing a training pack's states"
         return self._request("states", request, doing, timeout=STATES_TIMEOUT_S)
 
-    def generate(self, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+    def generate(
+        self, prompts, max_new_tokens: int, keep_special_tokens: bool = False
+    ) -> list[tuple[str, str, int]]:
         """One round: the server's `generate_replies` over these prompt id lists, (text,
         finish reason, generated tokens) per prompt, in order."""
         request = {
             "prompts": [[int(t) for t in p] for p in prompts],
             "max_new_tokens": max_new_tokens,
         }
+        if keep_special_tokens:  # only when asked: the request of before, byte for byte
+            request["keep_special_tokens"] = True
         doing = "generating this shard's replies"
         answer = self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
         return [tuple(r) for r in answer]  # the wire carries lists
