@@ -297,7 +297,7 @@ def _tokenize_file(path, tokenizer, max_length: int, seen: set, template, tally:
             rendered = render_conversation(
                 tokenizer, conv.messages, max_length, template, conv.tools
             )
-        except Exception as e:  # the template's own errors (jinja, raise_exception, RecursionError) included
+        except Exception as e:  # the template's own errors (jinja, RecursionError) included
             reason = f"the chat template cannot render the row: {type(e).__name__}: {e}"
             bad.append(BadRow(conv.source_file, conv.source_row, reason, conv.sample_id))
             continue
