@@ -102,7 +102,13 @@ def test_truncated_shard_is_quarantined_and_re_extracted(extracted_workdir, tmp_
     victim = sorted(fp_dir.glob("*.safetensors"))[0]
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
+    # A dry run (`snakemake -n`, perhaps beside a running extract) only reports.
     proc = snakemake(work, "-n", "extract", config=SMALL)
+    out = proc.stdout + proc.stderr
+    assert f"shard {victim.stem} fails the integrity check" in out and "dry run" in out
+    assert victim.exists() and not (fp_dir / "quarantine").exists()
+    # The run moves it aside and extracts it again.
+    proc = snakemake(work, "extract", config=SMALL)
     out = proc.stdout + proc.stderr
     assert f"shard {victim.stem} failed the integrity check" in out
     assert job_counts(out)["extract_shard"] == 1

@@ -53,7 +53,7 @@ def test_the_tokenizer_is_code_that_runs_only_when_trusted(kimi, tok):
     # Kimi's layout: 256 special ids after the base vocabulary, role markers among them.
     base = len((kimi / "tiktoken.model").read_text().splitlines())
     assert base >= 512 and len(tok) == base + 256
-    for marker in tiny_kimi.ROLE_MARKERS:
+    for marker in (*tiny_kimi.ROLE_MARKERS, *tiny_kimi.TOOL_MARKERS, "<think>", "</think>"):
         assert tok.convert_tokens_to_ids(marker) >= base
     text = "héllo 世界, 27 plus 97 is 124."
     assert tok.decode(tok(text)["input_ids"]) == text
@@ -75,9 +75,9 @@ def test_the_fingerprint_hashes_the_shipped_code(kimi, tmp_path):
 
 def _expected(tok, messages):
     """ids and mask by construction: each turn's header (role marker, role name, <|im_middle|>,
-    and the empty <think></think> of an assistant turn) is unmasked; an assistant turn's
-    content and its <|im_end|> are masked. Content sits between special tokens, so it
-    tokenizes alone."""
+    and the <think> the generation prompt opens, thinking mode) is unmasked; an assistant
+    turn's </think> (written by the model: no reasoning here), content and <|im_end|> are
+    masked. Content sits between special tokens, so it tokenizes alone."""
     sp = tok.convert_tokens_to_ids
     ids, mask = [], []
 
@@ -92,9 +92,11 @@ def _expected(tok, messages):
         marker = {"system": "<|im_system|>", "user": "<|im_user|>"}.get(role, "<|im_assistant|>")
         header = [sp(marker), *tok.encode(role, add_special_tokens=False), sp("<|im_middle|>")]
         if role == "assistant":
-            header += [sp("<think>"), sp("</think>")]
+            header += [sp("<think>")]
         add(header, 0)
         body = tok.encode(msg["content"], add_special_tokens=False) + [sp("<|im_end|>")]
+        if role == "assistant":
+            body = [sp("</think>"), *body]
         add(body, int(role == "assistant"))
     return np.array(ids), np.array(mask, dtype=np.uint8)
 
@@ -128,6 +130,7 @@ def test_masks_without_generation_markers_match_spans_known_by_construction(tok,
 
 def test_bundled_masks_through_the_replica_template_hold_only_assistant_text(tok):
     """Every bundled conversation: the masked tokens decode to the assistant replies, each
+    opened by </think> (the empty reasoning the model writes after the prompt's <think>) and
     ended by <|im_end|>, in order; no header or user text is trained on."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for row in BUNDLED:
@@ -140,8 +143,9 @@ def test_bundled_masks_through_the_replica_template_hold_only_assistant_text(tok
         assert len(runs) == len(replies), row
         for (a, b), reply in zip(runs, replies):
             assert t.input_ids[b - 1] == end
-            assert tok.decode(t.input_ids[a : b - 1]) == reply
-            assert tok.convert_ids_to_tokens(int(t.input_ids[a - 1])) == "</think>"
+            assert tok.convert_ids_to_tokens(int(t.input_ids[a])) == "</think>"
+            assert tok.decode(t.input_ids[a + 1 : b - 1]) == reply
+            assert tok.convert_ids_to_tokens(int(t.input_ids[a - 1])) == "<think>"
 
 
 def test_the_wrapped_layout_names_and_loads_the_text_model(kimi, kimi_text):
@@ -260,3 +264,66 @@ def test_the_empty_system_phase_renders_an_empty_turn_in_place_of_the_default_on
     assert np.array_equal(
         default.input_ids[default.loss_mask == 1], empty.input_ids[empty.loss_mask == 1]
     )
+
+
+def test_the_replica_talks_like_k25_thinking_by_default_with_kimis_tool_call_tokens(tok):
+    """Thinking mode by default: the generation prompt opens <think>, the turn being written
+    keeps its reasoning, history gets an empty <think></think>; tool calls in Kimi's markers,
+    each one token; `thinking: false` is instant mode."""
+    from eagleflow.data.templating import TemplateSettings, render_conversation
+
+    call = {"id": "functions.f:0", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Use f."},
+        {"role": "assistant", "content": "", "reasoning_content": "Call f.", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "functions.f:0", "name": "f"},
+        {"role": "assistant", "content": "42.", "reasoning_content": "It said 42."},
+        {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": "Yes.", "reasoning_content": "Sure."},
+    ]
+    prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    r = render_conversation(tok, messages, 10_000)
+    assert [s for s, _ in r.samples] == ["#turn1", "#turn2"] and r.not_rendered == ()
+    first, second = (t for _, t in r.samples)
+    trained = tok.decode(first.input_ids[first.loss_mask == 1])
+    assert trained == (
+        "Call f.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        "It said 42.</think>42.<|im_end|>"
+    )
+    for marker in tiny_kimi.TOOL_MARKERS:
+        assert (first.input_ids == tok.convert_tokens_to_ids(marker)).sum() == 1
+    text = tok.decode(second.input_ids)
+    assert "Call f." not in text and "It said 42." not in text
+    assert "<think></think>42.<|im_end|>" in text
+    assert tok.decode(second.input_ids[second.loss_mask == 1]) == "Sure.</think>Yes.<|im_end|>"
+    instant = render_conversation(tok, messages, 10_000, TemplateSettings({"thinking": False}))
+    assert len(instant.samples) == 1 and instant.not_rendered == ("reasoning_content",)
+
+
+def test_the_agent_families_reason_and_call_tools_through_the_replica_template(tok):
+    """`reasoning` and `tool_lookup` (drawn only when named): each row one sample on the
+    replica's template, its reasoning and tool call inside the mask; the default corpus is
+    unchanged by their existence."""
+    from eagleflow.data.conversations import normalize_messages
+    from eagleflow.data.templating import render_conversation
+
+    assert generate_conversations(300, seed=1) == BUNDLED
+    rows = generate_conversations(40, seed=3, families=["reasoning", "tool_lookup"])
+    assert {r["family"] for r in rows} == {"reasoning", "tool_lookup"}
+    inline = 0
+    for row in rows:
+        inline += "<think>" in row["messages"][-1]["content"]
+        messages = normalize_messages(row)
+        r = render_conversation(tok, messages, 10_000)
+        assert len(r.samples) == 1 and r.not_rendered == (), row
+        t = r.samples[0][1]
+        trained = tok.decode(t.input_ids[t.loss_mask == 1])
+        for m in messages:
+            if m["role"] == "assistant":
+                assert m["reasoning_content"] + "</think>" + m["content"] in trained
+        if row["family"] == "tool_lookup":
+            assert "<|tool_call_begin|>functions.lookup_capital:0" in trained
+            assert "## Return of" not in trained
+    assert 0 < inline < sum(r["family"] == "reasoning" for r in rows)

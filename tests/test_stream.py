@@ -281,6 +281,7 @@ def test_a_server_in_another_process_is_reached_over_tcp(tmp_path, server_env):
     spec = source.server
     spec.engine_dir.mkdir(parents=True, exist_ok=True)
     spec.file(".key").write_text(os.urandom(32).hex())
+    spec.file(".key").chmod(0o600)  # a key file is read only when private (docs/security.md)
     spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, EAGLEFLOW_SERVER_HOST="127.0.0.1")
@@ -382,6 +383,27 @@ def test_cache_budget_counts_allocated_blocks(tmp_path):
         for j in cache.cached(shard.shard_id):
             got, _ = cache.read(shard, j)
             assert torch.equal(got, rows[j][1])
+
+
+def test_a_truncated_cache_index_is_rebuilt(tmp_path):
+    """A crash left a cache index cut short: it counts as empty, with a warning, and the next
+    `add` writes it whole again (streaming goes on, nobody deletes anything by hand)."""
+    tokens = write_token_shards(tmp_path / "tokens", n_shards=1)
+    _, shard = tokens[0]
+    plan = make_plan()
+    states, _ = fake_states(shard.input_ids, shard.offsets, 4, H, "bfloat16", "bfloat16")
+    rows = [(j, states[shard.offsets[j] : shard.offsets[j + 1]], None) for j in range(12)]
+    cache = StateCache(tmp_path / "cache", 10**8)
+    cache.add(shard, rows[:6], plan, "bfloat16")
+    index = cache.index_file(shard.shard_id)
+    index.write_bytes(index.read_bytes()[:7])  # '{"sampl'
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert cache.cached(shard.shard_id) == set()
+    with pytest.warns(UserWarning):
+        cache.add(shard, rows, plan, "bfloat16")
+    assert cache.complete(shard)
+    for j in range(12):
+        assert torch.equal(cache.read(shard, j)[0], rows[j][1])
 
 
 def test_a_tcp_server_started_inside_slurm_is_a_job_of_its_own(tmp_path, server_env, monkeypatch):

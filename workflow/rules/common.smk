@@ -144,8 +144,13 @@ def checked_shard_ids(fp):
     """Shard ids, after the cheap integrity check of every finished shard (once per run)."""
     ids = shard_ids()
     if fp == fingerprint()[0]:
+        # A dry run (`snakemake -n`) only reports; shards of running jobs are left alone.
         check_finished_shards(
-            HIDDEN.format(fp=fp), ids, fp, log=lambda m: print(m, file=sys.stderr)
+            HIDDEN.format(fp=fp),
+            ids,
+            fp,
+            log=lambda m: print(m, file=sys.stderr),
+            dry_run=workflow.dryrun,
         )
     return ids
 

@@ -31,6 +31,9 @@ checkpoint split_sources:
         max_length=config["data"]["max_length"],
         max_new_tokens=REGENERATE["max_new_tokens"],
         mla=REGENERATE["mla"],
+        chat_template_kwargs=config["data"]["chat_template_kwargs"],
+        reasoning_parser=REGENERATE["reasoning_parser"],
+        on_truncated=REGENERATE["on_truncated"],
     script:
         "../scripts/split_sources.py"
 

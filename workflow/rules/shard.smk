@@ -14,6 +14,7 @@ checkpoint shard:
         manifest=f"{R}/shards/manifest.parquet",
         tokens=directory(f"{R}/shards/tokens"),
         rejects=f"{R}/shards/rejects.jsonl",
+        summary=f"{R}/shards/summary.json",
     log:
         f"{R}/logs/shard.log",
     benchmark:
@@ -28,5 +29,8 @@ checkpoint shard:
         shard_size=config["data"]["shard_size"],
         max_length=config["data"]["max_length"],
         on_bad_row=config["data"]["on_bad_row"],
+        chat_template_kwargs=config["data"]["chat_template_kwargs"],
+        reasoning_samples=config["data"]["reasoning_samples"],
+        on_unrendered_field=config["data"]["on_unrendered_field"],
     script:
         "../scripts/shard.py"

@@ -36,5 +36,11 @@ if __name__ == "__main__":
             ),
             ShardFiles(Path(out.rows), Path(out.rejects), Path(out.summary)),
             regeneration,
-            generator_for(settings, regeneration.max_new_tokens, server, stack),
+            generator_for(
+                settings,
+                regeneration.max_new_tokens,
+                server,
+                stack,
+                keep_special_tokens=regeneration.reasoning_parser is not None,
+            ),
         )

@@ -5,7 +5,13 @@ from eagleflow.regenerate.sources import regeneration_identity, split_sources, w
 with redirect_to_log(snakemake.log[0]):
     p = snakemake.params
     identity = regeneration_identity(
-        target_identity(p.target, p.revision), p.max_new_tokens, p.max_length, p.mla
+        target_identity(p.target, p.revision),
+        p.max_new_tokens,
+        p.max_length,
+        p.mla,
+        dict(p.chat_template_kwargs),
+        p.reasoning_parser,
+        p.on_truncated,
     )
     manifest = split_sources(snakemake.input.data, identity, p.shard_rows)
     write_manifest(manifest, snakemake.output.manifest)

@@ -64,9 +64,11 @@ with redirect_to_log(snakemake.log[0]):
     cmd = launch.command(run, args)
     launcher = cmd.argv[: len(cmd.argv) - len(args)]
     print(f"{run.world_size} rank(s): {' '.join(launcher)} <trainer arguments>", flush=True)
-    proc = subprocess.run(cmd.argv, env={**os.environ, **cmd.env})
-    if stream is not None and not proc.returncode:
-        stop_server(stream.server)
+    try:
+        proc = subprocess.run(cmd.argv, env={**os.environ, **cmd.env})
+    finally:
+        if stream is not None:  # finished, failed or interrupted: free the engine's devices
+            stop_server(stream.server)
     if proc.returncode:
         sys.exit(
             f"the trainer exited with status {proc.returncode} (its ranks' output is above); "

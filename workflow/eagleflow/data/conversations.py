@@ -3,6 +3,12 @@
 Every row becomes either a `Conversation` or a `BadRow` naming file, row and reason:
 nothing disappears silently. What to do with bad rows is the caller's decision
 (`on_bad_row: error | skip`).
+
+OpenAI rows keep every message field a chat template reads: `reasoning_content` (also given
+as `reasoning`, or inline as `<think>...</think>` before the answer in `content`, split off the
+way Qwen3's template splits it), `tool_calls`, `tool_call_id`, `name`, the `tool` role, and the
+row's `tools` list. Whether the target's template renders them is found by rendering
+(eagleflow.data.templating), never assumed.
 """
 
 from __future__ import annotations
@@ -27,15 +33,35 @@ SHAREGPT_ROLES = {
     "bing": "assistant",
     "system": "system",
 }
-ROLES = {"system", "user", "assistant"}
+ROLES = {"system", "user", "assistant", "tool"}
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class Conversation:
     sample_id: str
-    messages: tuple[dict, ...]  # OpenAI form: ({"role": ..., "content": ...}, ...)
+    messages: tuple[dict, ...]  # OpenAI form: ({"role": ..., "content": ..., [fields]}, ...)
     source_file: str
     source_row: int  # 1-based line (JSONL) or 0-based record index (JSON, Parquet)
+    tools: tuple[dict, ...] = ()  # the row's `tools` (function declarations), if any
+    forms: tuple[str, ...] = ()  # FORMS the row was given in (for the shard summary)
+
+
+# How a row carries reasoning and tool traffic, counted per form in the shard summary.
+FORMS = ("reasoning_content", "inline_think", "tool_calls")
+
+
+def record_forms(messages: tuple[dict, ...], record: dict) -> tuple[str, ...]:
+    """The FORMS of a normalized row (`record`: the row as read)."""
+    raw = record.get("messages") if isinstance(record.get("messages"), list) else []
+    given = any(
+        isinstance(t, dict) and t.get(k) not in (None, "")
+        for t in raw
+        for k in ("reasoning_content", "reasoning")
+    )
+    split = any("reasoning_content" in m for m in messages) and not given
+    tools = record.get("tools") or any("tool_calls" in m or m["role"] == "tool" for m in messages)
+    return tuple(f for f, on in zip(FORMS, (given, split, bool(tools))) if on)
 
 
 @dataclass(frozen=True)
@@ -78,14 +104,20 @@ def _records(path: Path):
                 yield lineno, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})", text
                 continue
             try:
-                yield lineno, json.loads(line), line
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 yield lineno, f"malformed JSON ({e.msg} at column {e.colno})", line
+            except RecursionError:
+                yield lineno, "JSON nested too deeply to read", line[:2000]
+            else:
+                yield lineno, record, line
     elif suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from e
+        except RecursionError:
+            raise DatasetError(f"{path}: JSON nested too deeply to read") from None
         if not isinstance(data, list):
             raise DatasetError(f"{path}: a .json dataset must hold a list of conversations")
         for i, record in enumerate(data):
@@ -136,18 +168,88 @@ def normalize_messages(record: dict, require_assistant: bool = True) -> tuple[di
         raise ValueError("empty conversation")
     messages = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        calls = isinstance(turn, dict) and names is None and turn.get("tool_calls")
+        if (
+            not isinstance(turn, dict)
+            or role_key not in turn
+            or (text_key not in turn and not calls)
+        ):
             raise ValueError(f"turn {i} lacks `{role_key}` or `{text_key}`")
         speaker = turn[role_key]
         role = names.get(speaker) if names is not None else (speaker if speaker in ROLES else None)
         if role is None:
             raise ValueError(f"turn {i} has unknown role {speaker!r}")
-        messages.append({"role": role, "content": _text(turn[text_key], i)})
+        content = turn.get(text_key)
+        message = {"role": role, "content": "" if content is None and calls else _text(content, i)}
+        if names is None:
+            message.update(_fields(turn, role, message["content"], i))
+        messages.append(message)
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn")  # prompt-only rows: data.regenerate.enabled
     if not require_assistant and not any(m["role"] == "user" for m in messages):
         raise ValueError("no user turn to answer")
     return tuple(messages)
+
+
+def _fields(turn: dict, role: str, content: str, i: int) -> dict:
+    """The template-read fields of OpenAI turn i (content included when reasoning is split off
+    it); ValueError names a malformed one."""
+    out = {}
+    # An empty reasoning (many datasets carry `reasoning_content: ""` on every turn) is none.
+    given = [k for k in ("reasoning_content", "reasoning") if turn.get(k) not in (None, "")]
+    if given:
+        values = {turn[k] for k in given if isinstance(turn[k], str)}
+        if len(values) != 1 or not all(isinstance(turn[k], str) for k in given):
+            raise ValueError(
+                f"turn {i}: `reasoning_content` and `reasoning` must be one string (both given "
+                "and different, or not a string)"
+            )
+        if role != "assistant":
+            raise ValueError(f"turn {i}: reasoning on a {role} turn; only assistant turns reason")
+        out["reasoning_content"] = values.pop()
+    elif role == "assistant" and THINK_CLOSE in content:
+        # Inline reasoning (DeepSeek-R1 / OpenThoughts), split as Qwen3's template splits it.
+        if content.count(THINK_CLOSE) > 1:
+            raise ValueError(f"turn {i}: {content.count(THINK_CLOSE)} `{THINK_CLOSE}` in content")
+        reasoning, _, answer = content.partition(THINK_CLOSE)
+        out["reasoning_content"] = reasoning.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+        out["content"] = answer.lstrip("\n")
+    calls = turn.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise ValueError(f"turn {i}: `tool_calls` on a {role} turn")
+        if not isinstance(calls, list):
+            raise ValueError(f"turn {i}: `tool_calls` is not a list")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"turn {i}: tool call {j} lacks `function.name`")
+            if not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise ValueError(f"turn {i}: tool call {j} `function.arguments` is not JSON text")
+        if calls:
+            out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if turn.get(key) is not None:
+            if not isinstance(turn[key], str):
+                raise ValueError(f"turn {i}: `{key}` is not a string")
+            out[key] = turn[key]
+    return out
+
+
+def normalize_tools(record: dict) -> tuple[dict, ...]:
+    """The row's `tools` (a list of declarations, or that list as JSON text, as some
+    datasets store it); ValueError says why not."""
+    tools = record.get("tools")
+    if tools is None:
+        return ()
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"`tools` is text but not JSON ({e.msg})") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("`tools` is not a list of tool declarations (objects)")
+    return tuple(tools)
 
 
 def _text(content, i: int) -> str:
@@ -166,8 +268,11 @@ def _text(content, i: int) -> str:
     return "".join(texts)
 
 
-def content_id(messages: tuple[dict, ...]) -> str:
-    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+def content_id(messages: tuple[dict, ...], tools: tuple[dict, ...] = ()) -> str:
+    """A hash of the conversation (and its tools, when it has any: rows without keep the ids
+    they had before tools were read)."""
+    content = {"messages": messages, "tools": tools} if tools else messages
+    blob = json.dumps(content, sort_keys=True, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -203,19 +308,25 @@ def _read_file(path: Path, require_assistant, rows, good, bad, seen) -> None:
             continue
         try:
             messages = normalize_messages(record, require_assistant)
+            tools = normalize_tools(record) if "messages" in record else ()
+            source = record.get("source")
+            if isinstance(source, dict) and {"file", "row"} <= source.keys():
+                # a regenerated row (eagleflow.regenerate.shard) names the dataset row it answers
+                origin = (str(source["file"]), int(source["row"]))
+            else:
+                origin = (str(path), row)
+            given = record.get("id", record.get("question_id"))
+            sample_id = str(given) if given is not None else content_id(messages, tools)
         except ValueError as e:
             bad.append(BadRow(str(path), row, str(e), raw))
             continue
-        source = record.get("source")
-        if isinstance(source, dict) and {"file", "row"} <= source.keys():
-            # a regenerated row (eagleflow.regenerate.shard) names the dataset row it answers
-            origin = (str(source["file"]), int(source["row"]))
-        else:
-            origin = (str(path), row)
-        given = record.get("id", record.get("question_id"))
-        sample_id = str(given) if given is not None else content_id(messages)
+        except Exception as e:  # any other per-row failure is this row's, named
+            bad.append(BadRow(str(path), row, f"unreadable row ({type(e).__name__}: {e})", raw))
+            continue
         if sample_id in seen:
             bad.append(BadRow(*origin, f"duplicate sample id {sample_id!r}", raw))
             continue
         seen.add(sample_id)
-        good.append(Conversation(sample_id, messages, *origin))
+        good.append(
+            Conversation(sample_id, messages, *origin, tools, record_forms(messages, record))
+        )

@@ -4,17 +4,30 @@ A conversation is held out when sha256(sample_id) mod `modulus` == 0, where the 
 already a hash of the conversation's content (`conversations.content_id`): the split does not
 depend on file order, survives appending or reordering samples, and is the same for every
 consumer (target training, sharding/extraction, draft training, evaluation).
+
+A conversation that a reasoning template cuts into several samples (`<id>#turn<k>`,
+eagleflow.data.templating) is decided by its conversation id, so all its samples fall on one
+side.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 HELDOUT_MODULUS = 20  # 1 in 20 conversations (5%)
+_TURN = re.compile(r"^(.*)#turn[0-9]+$", re.DOTALL)
+
+
+def conversation_of(sample_id: str) -> str:
+    """The conversation id of a sample id (itself, for a conversation that is one sample)."""
+    m = _TURN.match(sample_id)
+    return m.group(1) if m else sample_id
 
 
 def is_heldout(sample_id: str, modulus: int = HELDOUT_MODULUS) -> bool:
-    return int(hashlib.sha256(sample_id.encode()).hexdigest(), 16) % modulus == 0
+    key = conversation_of(sample_id)
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % modulus == 0
 
 
 def excluder(modulus: int = HELDOUT_MODULUS):

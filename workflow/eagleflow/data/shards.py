@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagleflow.data.conversations import Conversation, DatasetError
-from eagleflow.data.templating import Tokenized
+from eagleflow.data.templating import DEFAULT, TemplateSettings, Tokenized
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,7 @@ class TokenShardOutputs:
     tokens: Path  # directory of <shard_id>.safetensors token shards
     manifest: Path  # Parquet, one row per kept sample (manifest_frame)
     rejects: Path  # JSON lines, this stage's rejects then earlier stages'; empty if none
+    summary: Path | None = None  # JSON: shard_dataset's summary (forms, fields_not_rendered)
 
 
 def shard_dataset(
@@ -156,6 +157,8 @@ def shard_dataset(
     shard_size: int,
     max_length: int,
     on_bad_row: str,
+    template: TemplateSettings = DEFAULT,
+    on_unrendered_field: str = "count",
     earlier_rejects=(),
     log=print,
 ) -> dict:
@@ -163,6 +166,9 @@ def shard_dataset(
 
     `dataset_paths`: one file, or several read in order (regenerated source shards); a token
     shard never spans two files, so each file's shards depend on that file alone.
+    `template`: how the chat template is applied (kwargs, which samples of a reasoning
+    template are kept). `on_unrendered_field`: `count` a field the template ignores in the
+    summary (`fields_not_rendered`), or `error` at its first row.
     `earlier_rejects`: rejects files of an earlier stage (regeneration), gathered into
     `out.rejects` after this stage's own, with a `stage` field."""
     from eagleflow.data.templating import tokenizer_digest
@@ -170,10 +176,16 @@ def shard_dataset(
 
     paths = [dataset_paths] if isinstance(dataset_paths, (str, Path)) else list(dataset_paths)
     tokenizer = load_tokenizer(tokenizer_dir)
-    digest = tokenizer_digest(tokenizer)
-    kept_all, shards, bad_all, seen, rows_read = [], [], [], set(), 0
+    digest = tokenizer_digest(tokenizer, template)
+    kept_all, shards, bad_all, rows_read = [], [], [], 0
+    tally = FieldTally()
+    seen: set = set()
     for path in paths:  # one file at a time, sample ids unique across all of them
-        kept, tokenized, bad, n_rows = _tokenize_file(path, tokenizer, max_length, seen)
+        kept, tokenized, bad, n_rows = _tokenize_file(
+            path, tokenizer, max_length, seen, template, tally
+        )
+        if on_unrendered_field == "error" and tally.first:
+            raise DatasetError(tally.error())
         kept_all += kept
         bad_all += bad
         rows_read += n_rows
@@ -195,40 +207,108 @@ def shard_dataset(
     ]
     write_rejects(rejects + earlier, out.rejects)
     summary = {
-        "conversations": len(kept_all),
+        "conversations": tally.rows,
+        "samples": len(kept_all),
         "rejected": len(bad_all),
         "rejected_by_regeneration": len(earlier),
         "shards": len(shards),
         "tokens": int(frame["n_tokens"].sum()),
         "loss_tokens": int(frame["n_loss_tokens"].sum()),
+        **tally.summary(),
     }
+    if out.summary is not None:
+        tmp = out.summary.with_name(out.summary.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.replace(out.summary)
     log(
         f"sharded {len(paths)} file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''}): "
-        f"{rows_read} rows read, {len(kept_all)} kept, {len(bad_all)} rejected here"
+        f"{rows_read} rows read, {tally.rows} kept as {len(kept_all)} samples, "
+        f"{len(bad_all)} rejected here"
         + (f", {len(earlier)} rejected by regeneration" if earlier_rejects else "")
         + f"; {summary}"
         + (f"; rejects written to {out.rejects}" if rejects or earlier else "")
     )
+    if tally.not_rendered:
+        log(
+            "fields the chat template does not render (kept in no sample): "
+            + ", ".join(f"{f} in {n} rows" for f, n in tally.not_rendered.items())
+            + f" (first: {tally.first[1]}, row {tally.first[2]}); set "
+            "`data.on_unrendered_field: error` to stop on them"
+        )
     return summary
 
 
-def _tokenize_file(path, tokenizer, max_length: int, seen: set):
-    """(kept conversations, their tokenizations, bad rows in row order, rows read) of one file;
-    a conversation whose truncation leaves no assistant token is a bad row."""
+@dataclass
+class FieldTally:
+    """Rows, samples and reasoning tokens kept per form, and the fields the template ignored."""
+
+    rows: int = 0
+    truncated_away: int = 0  # samples of kept rows whose truncation left no loss token
+    forms: dict = field(default_factory=dict)  # form -> {rows, samples, reasoning_tokens}
+    not_rendered: dict = field(default_factory=dict)  # field -> rows
+    first: tuple | None = None  # (field, file, row) of the first ignored field
+
+    def add(self, conv: Conversation, rendered) -> None:
+        self.rows += 1
+        self.truncated_away += rendered.dropped_samples
+        for form in conv.forms:
+            f = self.forms.setdefault(form, {"rows": 0, "samples": 0, "reasoning_tokens": 0})
+            f["rows"] += 1
+            f["samples"] += len(rendered.samples)
+            f["reasoning_tokens"] += rendered.reasoning_tokens
+        for name in rendered.not_rendered:
+            self.not_rendered[name] = self.not_rendered.get(name, 0) + 1
+            if self.first is None:
+                self.first = (name, conv.source_file, conv.source_row)
+
+    def summary(self) -> dict:
+        return {
+            "samples_truncated_away": self.truncated_away,
+            "forms": self.forms,
+            "fields_not_rendered": self.not_rendered,
+        }
+
+    def error(self) -> str:
+        name, file, row = self.first
+        return (
+            f"{file}, row {row}: the chat template does not render the row's `{name}` (it "
+            "renders the same with and without it), so the draft would never see it; use a "
+            "template that renders it (or other `data.chat_template_kwargs`), remove the field, "
+            "or set `data.on_unrendered_field: count` to go on and count such rows"
+        )
+
+
+def _tokenize_file(path, tokenizer, max_length: int, seen: set, template, tally: FieldTally):
+    """(kept samples, their tokenizations, bad rows in row order, rows read) of one file.
+
+    A conversation becomes one sample, or several for a template that renders history
+    differently (eagleflow.data.templating): each is a `Conversation` with its sample id.
+    A row the template raises on, or whose truncation leaves no assistant token, is a bad row."""
+    from dataclasses import replace
+
     from eagleflow.data.conversations import BadRow, read_conversations
-    from eagleflow.data.templating import tokenize_conversation
+    from eagleflow.data.templating import render_conversation
 
     conversations, bad = read_conversations(path, seen=seen)
     rows_read = len(conversations) + len(bad)
     kept, tokenized = [], []
     for conv in conversations:
-        t = tokenize_conversation(tokenizer, conv.messages, max_length)
-        if t.loss_mask.any():
-            kept.append(conv)
-            tokenized.append(t)
-        else:
+        try:
+            rendered = render_conversation(
+                tokenizer, conv.messages, max_length, template, conv.tools
+            )
+        except Exception as e:  # the template's own errors (jinja, RecursionError) included
+            reason = f"the chat template cannot render the row: {type(e).__name__}: {e}"
+            bad.append(BadRow(conv.source_file, conv.source_row, reason, conv.sample_id))
+            continue
+        if not rendered.samples:
             reason = f"no assistant tokens within the first {max_length} tokens"
             bad.append(BadRow(conv.source_file, conv.source_row, reason, conv.sample_id))
+            continue
+        tally.add(conv, rendered)
+        for suffix, t in rendered.samples:
+            kept.append(replace(conv, sample_id=conv.sample_id + suffix))
+            tokenized.append(t)
     bad.sort(key=lambda b: b.source_row)
     return kept, tokenized, bad, rows_read
 

@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,10 +43,14 @@ from eagleflow.engine.settings import EngineSettings
 
 
 def load_prompts(
-    dataset, tokenizer_dir, limit: int = 32, modulus: int = HELDOUT_MODULUS
+    dataset,
+    tokenizer_dir,
+    limit: int = 32,
+    modulus: int = HELDOUT_MODULUS,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict]:
-    """Held-out prompts (`eagleflow.data.heldout`), chat template + generation prompt, as token
-    ids."""
+    """Held-out prompts (`eagleflow.data.heldout`), chat template (with
+    `data.chat_template_kwargs`) + generation prompt, as token ids."""
     from eagleflow.target.load import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
@@ -54,7 +58,11 @@ def load_prompts(
     out = []
     for p in heldout_prompts(conversations, modulus, limit):
         ids = tok.apply_chat_template(
-            p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+            p["messages"],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **dict(chat_template_kwargs or {}),
         )["input_ids"]
         out.append({**p, "prompt_token_ids": list(ids)})
     return out
@@ -275,8 +283,11 @@ def run_vllm(
     """`eagleflow.draft.spec_decode_check` in a subprocess; returns its JSON or {"error": ...}."""
     import tempfile
 
+    if workdir is None:  # a private folder of its own, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="eagleflow-acc-") as tmp:
+            return run_vllm(engine, speculation, prompts, max_tokens, tmp, log)
     method, k = speculation.method, speculation.k
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="eagleflow-acc-"))
+    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     prompt_file = workdir / f"{method}.prompts.json"
     prompt_file.write_text(json.dumps([p["prompt_token_ids"] for p in prompts]))
@@ -399,6 +410,7 @@ class EvalSettings:
     num_prompts: int = 32
     heldout_modulus: int = HELDOUT_MODULUS
     paths: tuple[str, ...] = ("vllm_eagle3", "vllm_ngram", "reference")
+    chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
 
     @classmethod
     def from_config(cls, config: dict) -> EvalSettings:
@@ -409,6 +421,7 @@ class EvalSettings:
             num_prompts=ev["num_prompts"],
             heldout_modulus=config["data"]["heldout_modulus"],
             paths=tuple(ev["paths"]),
+            chat_template_kwargs=dict(config["data"].get("chat_template_kwargs") or {}),
         )
 
 
@@ -424,7 +437,9 @@ def evaluate(
     """Acceptance of the draft in `export_dir` on the held-out prompts of `dataset`, through
     each path of `cfg.paths`; `outputs`: (JSON report, PNG plot)."""
     target_dir, k, max_tokens = engine.target, cfg.k, cfg.max_tokens
-    prompts = load_prompts(dataset, target_dir, cfg.num_prompts, cfg.heldout_modulus)
+    prompts = load_prompts(
+        dataset, target_dir, cfg.num_prompts, cfg.heldout_modulus, cfg.chat_template_kwargs
+    )
     log(f"{len(prompts)} held-out prompts (sha256(sample_id) % {cfg.heldout_modulus} == 0), k={k}")
     results = {}
     for name in cfg.paths:

@@ -1,6 +1,7 @@
 """Checkpoints of a draft training run, on disk under the trainer's output directory:
 
-    checkpoints/step-00000120/        the latest finished checkpoint: ONE
+    checkpoints/step-00000120/        the latest finished checkpoint (and the one before it,
+                                      kept in case this one is lost): ONE
                                       `torch.distributed.checkpoint` save of every Stateful
                                       component (model, optimizer, progress, rng), each rank
                                       writing its own shards (`__<rank>_0.distcp`, `.metadata`)
@@ -13,9 +14,10 @@
         draft.json                    draft config, aux/layer ids, target, vocab, step, AL
 
 A checkpoint is written into `<name>.partial` by every rank and renamed into place by rank 0
-once all ranks have written (DCP's save ends with a collective that writes `.metadata`), so a
-kill at any moment leaves either the previous checkpoint or the new one, never a
-half-written one taken for finished. Frozen tensors (the target's embedding, its norm and
+once all ranks have written (DCP's save ends with a collective that writes `.metadata`), and
+the folder is fsynced after the rename, so a kill (or a crash of the machine) at any moment
+leaves either the previous checkpoint or the new one, never a half-written one taken for
+finished. Frozen tensors (the target's embedding, its norm and
 lm_head) are in no checkpoint: they are read again from the target. DCP reshards on load,
 so a checkpoint resumes at any world size (FSDP or a single process).
 """
@@ -31,9 +33,12 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from eagleflow.store.locks import fsync_dir
+
 CHECKPOINTS, BEST, RECIPE = "checkpoints", "best", "recipe.json"
 BEST_WEIGHTS, BEST_META = "model.safetensors", "draft.json"
 PARTIAL = ".partial"
+KEEP = 2  # finished checkpoints kept: the latest and the one before it
 
 
 def _barrier():
@@ -106,7 +111,7 @@ def changed_keys(old, new, prefix: str = "") -> list[str]:
 
 def save(state: dict, out, step: int, recipe: dict, rank: int) -> Path:
     """Every rank writes its part of `state` into step-N.partial; rank 0 then adds the
-    recipe, renames it into place and removes every other checkpoint."""
+    recipe, renames it into place and removes all but the last KEEP checkpoints."""
     final = step_dir(out, step)
     if final.exists():  # this very state was saved already (a rerun of a finished step)
         return final
@@ -122,9 +127,9 @@ def save(state: dict, out, step: int, recipe: dict, rank: int) -> Path:
         with open(tmp / RECIPE, "w") as f:
             json.dump(recipe, f, indent=1)
         os.replace(tmp, final)
-        for d in finished(out):
-            if d != final:
-                shutil.rmtree(d, ignore_errors=True)
+        fsync_dir(final.parent)
+        for d in finished(out)[:-KEEP]:
+            shutil.rmtree(d, ignore_errors=True)
     _barrier()
     return final
 
@@ -154,5 +159,6 @@ def save_best(weights: dict, meta: dict, out, rank: int) -> None:
         if best.exists():
             os.replace(best, old)
         os.replace(tmp, best)
+        fsync_dir(best.parent)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()

@@ -85,7 +85,12 @@ class StreamSource:
                 f"draft.states = {draft['states']} streams from the shared engine server: set "
                 "extract.engine_reuse to true"
             )
-        server = replace(server, tcp=draft["stream_tcp"], devices=draft["stream_engine_devices"])
+        server = replace(
+            server,
+            tcp=draft["stream_tcp"],
+            tls=draft["stream_tcp"] and draft["stream_tls"],
+            devices=draft["stream_engine_devices"],
+        )
         cached = draft["states"] == "cached"
         return cls(
             draft["states"],

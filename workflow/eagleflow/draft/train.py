@@ -74,6 +74,7 @@ from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
 from eagleflow.draft.states import ServedStates, StreamSource
 from eagleflow.draft.vocab import DraftVocab
 from eagleflow.draft.watchdog import Watchdog
+from eagleflow.store.locks import work_lock
 from eagleflow.target.head import (
     EMBED,
     LM_HEAD,
@@ -644,7 +645,17 @@ class TrainData:
         )
 
 
-def train(
+def train(shards, target_dir, vocab: DraftVocab, out_dir, cfg: TrainConfig, *args, **kw) -> dict:
+    """Train (or resume) into `out_dir` and return the summary (`_train`). Rank 0 holds the
+    work folder's lock throughout: a second trainer on the same folder stops with a sentence
+    instead of deleting this one's saves."""
+    if int(os.environ.get("RANK", "0")):
+        return _train(shards, target_dir, vocab, out_dir, cfg, *args, **kw)
+    with work_lock(out_dir, "the trainer's work folder", "train.lock"):
+        return _train(shards, target_dir, vocab, out_dir, cfg, *args, **kw)
+
+
+def _train(
     shards,
     target_dir,
     vocab: DraftVocab,

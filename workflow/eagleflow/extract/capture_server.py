@@ -56,10 +56,11 @@ class CaptureEngine:
         shard_file, _ = shard_file_of(chunks, spec.plan, spec.settings.dtype)
         todo = chunks.todo()  # what is committed now, not when the client asked
         print(f"shard {shard.shard_id}: {len(todo)} chunks to prefill", flush=True)
+        progress = ToClient(conn)
         for line in self.layout:
-            conn.send(("log", line + "\n"))
+            progress.write(line + "\n")
         timings = Timings()
-        done = run_chunks(self.llm, chunks, todo, spec.plan, shard_file, timings, ToClient(conn))
+        done = run_chunks(self.llm, chunks, todo, spec.plan, shard_file, timings, progress)
         print(f"shard {shard.shard_id}: {done} tokens prefilled", flush=True)
         return {"tokens": done, "chunks": len(todo), **timings.seconds}
 

@@ -13,7 +13,8 @@ storage dtype (`capture.storage_dtype`) when it is not the default, the vLLM ver
 change numerics), and EXTRACTION_CODE_VERSION. The storage dtype enters the record only when it
 is not `bfloat16`: the default layout is exactly what was stored before the option existed, so
 the fingerprints of existing configurations (and their extracted shards) stay valid, while an
-fp8 extraction gets a directory of its own. Not covered: tensor-parallel
+fp8 extraction gets a directory of its own; `data.chat_template_kwargs` likewise, when set (the
+shard ids already change with the tokens it changes). Not covered: tensor-parallel
 degree and batch sizes, which change only reduction order (TP=2 vs TP=1 agree within bf16
 tolerance; docs/capture.md), so shards extracted at TP=8 and TP=1 are interchangeable.
 Cost: a few small reads per weight file; never the weights themselves.
@@ -83,6 +84,7 @@ def extraction_fingerprint(
     strategy: str,
     vllm_version: str,
     storage_dtype: str = DEFAULT_STORAGE,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[str, dict]:
     record = {
         "target": identity,
@@ -96,6 +98,8 @@ def extraction_fingerprint(
     }
     if check_storage_dtype(storage_dtype) != DEFAULT_STORAGE:
         record["storage_dtype"] = storage_dtype
+    if chat_template_kwargs:  # as storage_dtype: only when set, so old fingerprints stay valid
+        record["chat_template_kwargs"] = dict(chat_template_kwargs)
     blob = json.dumps(record, sort_keys=True).encode()
     record["how"] = (
         "sha256 of this record (sorted-key JSON, without this field); weights are identified by "
@@ -124,4 +128,5 @@ def config_fingerprint(config: dict) -> tuple[str, dict]:
         config["capture"]["strategy"],
         vllm_version(),
         config["capture"].get("storage_dtype", DEFAULT_STORAGE),
+        config["data"].get("chat_template_kwargs"),
     )

@@ -6,16 +6,21 @@ The samples (one training pack's) become one small token shard, prefilled by the
 `run_chunks` loop and capture workers as an extract job's shard, into a shard file in a
 memory filesystem (`draft.stream_dir`, /dev/shm by default): the states cross from the
 workers to this process as they do in extraction, through a file, but that file is memory and
-is removed as soon as its bytes are read back. So streamed states are captured, quantized and
-placed exactly as stored ones. In `cached` mode the samples' rows are also written into the
-state cache (`eagleflow.store.state_cache`) while its budget lasts.
+is removed as soon as its bytes are read back. Its folder comes from `tempfile.mkdtemp` (mode
+0700, an unpredictable name holding the server's pid); a server that starts removes the
+folders of this uid's servers whose pid is gone (a SIGKILL leaves one behind). So streamed
+states are captured, quantized and placed exactly as stored ones. In `cached` mode the
+samples' rows are also written into the state cache (`eagleflow.store.state_cache`) while
+its budget lasts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,22 +53,56 @@ def pack_shard(shards: list[TokenShard], indices: list[int]) -> TokenShard:
     )
 
 
+WIRE_DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32", "int64", "int32", "uint8")
+
+
 def to_wire(t: torch.Tensor) -> dict:
-    """A tensor as plain bytes and its dtype and shape (pickle-safe across hosts: no torch
-    storage sharing, which only works between processes of one host)."""
-    return {
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "shape": list(t.shape),
-        "bytes": t.contiguous().view(torch.uint8).numpy().tobytes(),
-    }
+    """A tensor as raw bytes (a frame of `eagleflow.serve.wire`) and its dtype and shape."""
+    flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    dtype = str(t.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "shape": list(t.shape), "bytes": memoryview(flat)}
 
 
 def from_wire(d: dict | None) -> torch.Tensor | None:
+    """The tensor of `to_wire`; ValueError for a dtype, shape or size that is not one."""
     if d is None:
         return None
+    if d.get("dtype") not in WIRE_DTYPES:
+        raise ValueError(f"a tensor of dtype {d.get('dtype')!r} on the wire")
     dtype = getattr(torch, d["dtype"])
-    flat = torch.frombuffer(bytearray(d["bytes"]), dtype=torch.uint8)
-    return flat.view(dtype).reshape(d["shape"])
+    raw = d["bytes"]
+    raw = raw if isinstance(raw, bytearray) else bytearray(raw)
+    shape = [int(x) for x in d["shape"]]
+    if len(raw) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise ValueError(f"{len(raw)} bytes on the wire for a {d['dtype']} tensor {shape}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+SCRATCH_PREFIX = "eagleflow-stream-"
+
+
+def clean_scratch(scratch_dir) -> list[Path]:
+    """Remove the scratch folders of this uid's servers in `scratch_dir` whose pid is gone
+    (`eagleflow-stream-<key>-<pid>-<random>`); returns them."""
+    from eagleflow.serve.client import alive
+
+    gone = []
+    try:
+        entries = list(os.scandir(scratch_dir))
+    except OSError:
+        return gone
+    for e in entries:
+        m = re.fullmatch(re.escape(SCRATCH_PREFIX) + r"[0-9a-f]+-(\d+)-\w+", e.name)
+        try:
+            mine = e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid
+        except OSError:
+            continue
+        if m and mine == os.getuid() and not alive(int(m.group(1))):
+            shutil.rmtree(e.path, ignore_errors=True)
+            gone.append(Path(e.path))
+    return gone
 
 
 class StreamCapture:
@@ -71,7 +110,8 @@ class StreamCapture:
 
     def __init__(self, llm, plan, dtype: str, scratch_dir, name: str):
         self.llm, self.plan, self.dtype = llm, plan, dtype
-        self.scratch = Path(scratch_dir) / f"eagleflow-stream-{name}-{os.getpid()}"
+        self.scratch_dir, self.name = Path(scratch_dir), name
+        clean_scratch(self.scratch_dir)
         self.shards: dict[str, TokenShard] = {}  # token shard path -> shard, most recent last
         self.busy = 0.0
         self.requests = 0
@@ -88,7 +128,8 @@ class StreamCapture:
         """(states, scales or None, input ids) of every row of `pack`, as its shard file would
         hold them: written by the capture workers into the memory filesystem, read back, and
         removed."""
-        out = self.scratch / "pack.safetensors"
+        scratch = self.new_scratch()
+        out = scratch / "pack.safetensors"
         try:
             chunks = shard_chunks(pack, self.plan, out, chunk_tokens=len(pack.input_ids))
             shard_file = prepare_shard_file(chunks, self.plan, self.dtype)
@@ -99,7 +140,12 @@ class StreamCapture:
                 scales = f.get_tensor(SCALES_KEY) if SCALES_KEY in f.keys() else None
                 return states, scales, f.get_tensor("input_ids")
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def new_scratch(self) -> Path:
+        """A fresh folder for one pack: mode 0700, an unpredictable name with this pid."""
+        prefix = f"{SCRATCH_PREFIX}{self.name}-{os.getpid()}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.scratch_dir))
 
     def handle(self, req: dict) -> dict:
         """Prefill req["samples"] = [[token shard path, sample index], ...]; answer with the

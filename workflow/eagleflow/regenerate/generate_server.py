@@ -24,7 +24,9 @@ class GenerateEngine:
 
     def handle(self, kind: str, req: dict, conn) -> list:
         t0 = time.perf_counter()
-        replies = generate_replies(self.llm, req["prompts"], req["max_new_tokens"])
+        replies = generate_replies(
+            self.llm, req["prompts"], req["max_new_tokens"], req.get("keep_special_tokens", False)
+        )
         print(
             f"generate: {len(replies)} prompts answered, {sum(r[2] for r in replies)} tokens "
             f"in {time.perf_counter() - t0:.1f} s",

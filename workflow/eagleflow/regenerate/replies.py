@@ -31,26 +31,82 @@ GENERATE_SERVER = "eagleflow.regenerate.generate_server"
 
 
 def prompt_turns(messages) -> list[dict]:
-    """A conversation's turns without its assistant turns."""
-    return [
-        {"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"
-    ]
+    """A conversation's turns without its assistant turns (their other fields, a user's `name`,
+    kept for the template)."""
+    return [dict(m) for m in messages if m["role"] != "assistant"]
+
+
+def _tool_traffic(c: Conversation) -> bool:
+    return bool(c.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in c.messages)
+
+
+TOOL_ROWS = (
+    "tool turns cannot be regenerated yet (the target's new tool calls would need new tool "
+    "results); set `data.regenerate.enabled: false` for tool traffic, or remove the row"
+)
+
+
+@dataclass(frozen=True)
+class ReplyForm:
+    """What a generated reply becomes (`data.regenerate.reasoning_parser`, `on_truncated`).
+
+    `split(text) -> (reasoning or None, content or None)`: vLLM's reasoning parser of the
+    target's family (`reasoning_parser`), so that a thinking-mode reply becomes
+    `reasoning_content` + `content` again; None keeps the text as `content`. A reply cut at
+    `max_new_tokens` is kept (`keep`) or ends its conversation before that turn (`drop`)."""
+
+    split: Callable[[str], tuple[str | None, str | None]] | None = None
+    on_truncated: str = "keep"
+
+    def message(self, text: str) -> dict:
+        if self.split is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = self.split(text)
+        out = {"role": "assistant", "content": content or ""}
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        return out
+
+
+def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None, str | None]]:
+    """vLLM's reasoning parser `name` (kimi_k2, deepseek_r1, qwen3, ...) over whole replies."""
+    from vllm.reasoning import ReasoningParserManager
+
+    try:
+        parser = ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+    except KeyError as e:
+        raise ValueError(
+            f"data.regenerate.reasoning_parser is {name!r}, which this vLLM does not have; use "
+            "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
+        ) from e
+    return lambda text: parser.extract_reasoning(text, None)
 
 
 def regenerate_conversations(
-    conversations: list[Conversation], generate, render, max_prompt_tokens: int, log=print
+    conversations: list[Conversation],
+    generate,
+    render,
+    max_prompt_tokens: int,
+    log=print,
+    form: ReplyForm = ReplyForm(),
 ):
     """(rows, bad): `rows` are {"id", "messages"} with every user turn answered by `generate`.
 
-    render(messages) -> prompt token ids (chat template plus generation prompt);
-    generate(list of prompt token-id lists) -> list of reply texts, in order.
+    render(messages) -> prompt token ids (chat template plus generation prompt; the history as
+    the template renders it: a reasoning template empties earlier turns' reasoning);
+    generate(list of prompt token-id lists) -> per prompt, in order, the reply text or (text,
+    finish reason). `form` makes each reply a message (module ReplyForm).
     A conversation stops (its later turns dropped) once its next prompt would be at least
     `max_prompt_tokens` long: sharding truncates there anyway.
     """
+    tool_rows = [c for c in conversations if _tool_traffic(c)]
+    conversations = [c for c in conversations if not _tool_traffic(c)]
     pending = [prompt_turns(c.messages) for c in conversations]
     done: list[list[dict]] = [[] for _ in conversations]
     answered = [0] * len(conversations)
     stopped_early = 0
+    truncated = dropped = 0
+    cut_first = [False] * len(conversations)  # the first reply was cut and dropped
     rounds = 0
     while True:
         batch = []
@@ -76,39 +132,55 @@ def regenerate_conversations(
         replies = generate([ids for _, ids in batch])
         if len(replies) != len(batch):
             raise RuntimeError(f"generate returned {len(replies)} replies for {len(batch)} prompts")
-        for (i, _), text in zip(batch, replies):
-            done[i].append({"role": "assistant", "content": text})
+        for (i, _), reply in zip(batch, replies):
+            text, reason = (reply, "stop") if isinstance(reply, str) else tuple(reply)[:2]
+            if reason == "length":
+                truncated += 1
+                if form.on_truncated == "drop":  # this turn and the rest of the conversation
+                    dropped += 1
+                    cut_first[i] = answered[i] == 0
+                    while done[i] and done[i][-1]["role"] != "assistant":
+                        done[i].pop()
+                    pending[i] = []
+                    continue
+            done[i].append(form.message(text))
             answered[i] += 1
         rounds += 1
         log(f"round {rounds}: {len(batch)} prompts answered in {time.time() - t0:.1f}s")
-    rows, bad = [], []
-    for c, msgs, n in zip(conversations, done, answered):
+    rows, bad = [], [BadRow(c.source_file, c.source_row, TOOL_ROWS, c.sample_id) for c in tool_rows]
+    for c, msgs, n, cut in zip(conversations, done, answered, cut_first):
         if n == 0:
-            bad.append(
-                BadRow(
-                    c.source_file,
-                    c.source_row,
-                    f"the first prompt is at least {max_prompt_tokens} tokens long: "
-                    "nothing left for the target to answer",
-                    c.sample_id,
-                )
+            reason = (
+                "the first reply was cut at data.regenerate.max_new_tokens, and "
+                "`data.regenerate.on_truncated: drop` drops it"
+                if cut
+                else f"the first prompt is at least {max_prompt_tokens} tokens long: "
+                "nothing left for the target to answer"
             )
+            bad.append(BadRow(c.source_file, c.source_row, reason, c.sample_id))
             continue
         rows.append({"id": c.sample_id, "messages": msgs})
+    bad.sort(key=lambda b: b.source_row)
     stats = {
         "conversations": len(rows),
         "rounds": rounds,
         "replies": sum(answered),
         "stopped_early": stopped_early,
+        "truncated": truncated,
+        "truncated_dropped": dropped,
         "rejected": len(bad),
     }
     return rows, bad, stats
 
 
-def chat_renderer(tokenizer):
+def chat_renderer(tokenizer, chat_template_kwargs: dict | None = None):
+    """messages -> prompt token ids: the chat template with `data.chat_template_kwargs` and the
+    generation prompt."""
+    kwargs = dict(chat_template_kwargs or {})
+
     def render(messages):
         out = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
         )
         return list(out["input_ids"])
 
@@ -132,14 +204,22 @@ def start_generate_engine(settings: EngineSettings):
     return build_engine(settings, eager=settings.device == "cpu")
 
 
-def generate_replies(llm, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+def generate_replies(
+    llm, prompts, max_new_tokens: int, keep_special_tokens: bool = False
+) -> list[tuple[str, str, int]]:
     """One batched greedy `LLM.generate` over prompt id lists: (text, finish reason, generated
     token count) per prompt, in order. Stops at the tokenizer's end-of-turn token or after
-    `max_new_tokens`."""
+    `max_new_tokens`. `keep_special_tokens`: the text keeps markers such as `</think>` (a
+    reasoning parser splits on them)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    # Markers kept as written: no spaces around them (vLLM inserts some for slow tokenizers
+    # such as Kimi's by default), or the reply would not render back to its tokens.
+    keep = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_new_tokens, **(keep if keep_special_tokens else {})
+    )
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
         params,
@@ -158,7 +238,8 @@ def own_engine() -> dict:
 
 @dataclass
 class Generator:
-    """A job's replies: called with prompt id lists, it returns the reply texts, in order, from
+    """A job's replies: called with prompt id lists, it returns (text, finish reason) per reply,
+    in order, from
     `replies_of` (prompt id lists -> (text, finish reason, generated tokens) per prompt), and
     counts the finish reasons, the generated tokens and the seconds spent waiting for them.
     `engine` is the job's engine record {server, loaded_here, server_pid}."""
@@ -169,30 +250,43 @@ class Generator:
     generated_tokens: int = 0
     generate_s: float = 0.0
 
-    def __call__(self, prompts) -> list[str]:
+    def __call__(self, prompts) -> list[tuple[str, str]]:
         t0 = time.time()
         replies = self.replies_of(prompts)
         for _, reason, n in replies:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.generated_tokens += n
         self.generate_s += time.time() - t0
-        return [text for text, _, _ in replies]
+        return [(text, reason) for text, reason, _ in replies]
 
 
-def vllm_generator(settings: EngineSettings, max_new_tokens: int) -> Generator:
+def vllm_generator(
+    settings: EngineSettings, max_new_tokens: int, keep_special_tokens: bool = False
+) -> Generator:
     """Greedy replies through an engine of this job's own (`start_generate_engine`)."""
     llm = start_generate_engine(settings)
-    return Generator(lambda prompts: generate_replies(llm, prompts, max_new_tokens))
+    return Generator(
+        lambda prompts: generate_replies(llm, prompts, max_new_tokens, keep_special_tokens)
+    )
 
 
-def served_generator(client: EngineClient, max_new_tokens: int) -> Generator:
+def served_generator(
+    client: EngineClient, max_new_tokens: int, keep_special_tokens: bool = False
+) -> Generator:
     """Greedy replies from the shared generate engine server `client` is connected to: the
     same `generate_replies` call, made in the server (eagleflow.regenerate.generate_server)."""
-    return Generator(lambda prompts: client.generate(prompts, max_new_tokens), engine=client.engine)
+    return Generator(
+        lambda prompts: client.generate(prompts, max_new_tokens, keep_special_tokens),
+        engine=client.engine,
+    )
 
 
 def generator_for(
-    settings: EngineSettings, max_new_tokens: int, server: ServerSpec | None, stack: ExitStack
+    settings: EngineSettings,
+    max_new_tokens: int,
+    server: ServerSpec | None,
+    stack: ExitStack,
+    keep_special_tokens: bool = False,
 ) -> Callable[[], Generator]:
     """What a regenerate_shard job hands `regenerate_source_shard`: makes its generator when the
     shard has chunks to answer. Through the shared server of spec `server` (started if none
@@ -201,8 +295,8 @@ def generator_for(
 
     def make() -> Generator:
         if server is None:
-            return vllm_generator(settings, max_new_tokens)
+            return vllm_generator(settings, max_new_tokens, keep_special_tokens)
         client = stack.enter_context(EngineClient(server, GENERATE_SERVER))
-        return served_generator(client, max_new_tokens)
+        return served_generator(client, max_new_tokens, keep_special_tokens)
 
     return make

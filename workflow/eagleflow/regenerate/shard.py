@@ -26,7 +26,9 @@ from pathlib import Path
 from eagleflow.data.conversations import BadRow, Conversation, DatasetError, read_conversations
 from eagleflow.regenerate.replies import (
     Generator,
+    ReplyForm,
     chat_renderer,
+    reasoning_splitter,
     regenerate_conversations,
 )
 from eagleflow.regenerate.sources import shard_entry, shard_raw_rows, source_shard_id
@@ -41,6 +43,9 @@ class Regeneration:
     max_new_tokens: int  # data.regenerate.max_new_tokens: most tokens per reply
     chunk_rows: int  # data.regenerate.chunk_rows: conversations per committed chunk
     on_bad_row: str = "error"  # data.on_bad_row: "error" stops the job, "skip" rejects the row
+    chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+    reasoning_parser: str | None = None  # data.regenerate.reasoning_parser: vLLM's, by name
+    on_truncated: str = "keep"  # data.regenerate.on_truncated: keep | drop a reply cut short
 
     @classmethod
     def from_config(cls, config: dict) -> Regeneration:
@@ -51,6 +56,9 @@ class Regeneration:
             max_new_tokens=data["regenerate"]["max_new_tokens"],
             chunk_rows=data["regenerate"]["chunk_rows"],
             on_bad_row=data["on_bad_row"],
+            chat_template_kwargs=dict(data["chat_template_kwargs"]),
+            reasoning_parser=data["regenerate"]["reasoning_parser"],
+            on_truncated=data["regenerate"]["on_truncated"],
         )
 
 
@@ -141,6 +149,8 @@ class Answered:
     replies: int = 0
     rounds: int = 0
     stopped_early: int = 0
+    truncated: int = 0  # replies cut at max_new_tokens
+    truncated_dropped: int = 0  # of those, dropped (on_truncated: drop)
     generator: Generator | None = None
     engine_start_s: float = 0.0  # until the engine was ready: a load, or a connection
 
@@ -201,7 +211,14 @@ def answer_chunks(
 
     from eagleflow.target.load import load_tokenizer
 
-    render = chat_renderer(load_tokenizer(settings.target))
+    tokenizer = load_tokenizer(settings.target)
+    render = chat_renderer(tokenizer, settings.chat_template_kwargs)
+    form = ReplyForm(
+        reasoning_splitter(settings.reasoning_parser, tokenizer)
+        if settings.reasoning_parser
+        else None,
+        settings.on_truncated,
+    )
     t_engine = time.time()
     generate = generator()
     answered = Answered(generator=generate, engine_start_s=time.time() - t_engine)
@@ -223,7 +240,7 @@ def answer_chunks(
 
     for i in loaded.todo:
         rows, more_bad, chunk_stats = regenerate_conversations(
-            chunks[i], generate, render, settings.max_length, round_log
+            chunks[i], generate, render, settings.max_length, round_log, form
         )
         if more_bad and settings.on_bad_row == "error":
             raise DatasetError(f"{more_bad[0].message()} ({len(more_bad)} such rows in all)")
@@ -246,6 +263,8 @@ def answer_chunks(
         loaded.done[i] = record
         answered.chunks += 1
         answered.replies += chunk_stats["replies"]
+        answered.truncated += chunk_stats["truncated"]
+        answered.truncated_dropped += chunk_stats["truncated_dropped"]
         answered.rounds += chunk_stats["rounds"]
         answered.stopped_early += chunk_stats["stopped_early"]
         bar.update(len(chunks[i]))
@@ -292,6 +311,8 @@ def assemble(
         "replies_now": answered.replies,
         "rounds_now": answered.rounds,
         "stopped_early_now": answered.stopped_early,
+        "truncated_now": answered.truncated,
+        "truncated_dropped_now": answered.truncated_dropped,
         "finish_reasons_now": generate.finished if generate else None,
         "max_new_tokens": settings.max_new_tokens,
         "max_length": settings.max_length,

@@ -28,16 +28,31 @@ REGENERATION_CODE_VERSION = 1
 
 
 def regeneration_identity(
-    target_identity: dict, max_new_tokens: int, max_length: int, mla: bool
+    target_identity: dict,
+    max_new_tokens: int,
+    max_length: int,
+    mla: bool,
+    chat_template_kwargs: dict | None = None,
+    reasoning_parser: str | None = None,
+    on_truncated: str = "keep",
 ) -> dict:
-    """What, besides the rows, decides a source shard's replies."""
-    return {
+    """What, besides the rows, decides a source shard's replies (`data.chat_template_kwargs`,
+    `data.regenerate.reasoning_parser` and `on_truncated` only when set: the ids of shards made
+    before the keys existed stay as they were)."""
+    identity = {
         "target": target_identity,
         "max_new_tokens": int(max_new_tokens),
         "max_length": int(max_length),
         "mla": bool(mla),
         "regeneration_code_version": REGENERATION_CODE_VERSION,
     }
+    if chat_template_kwargs:
+        identity["chat_template_kwargs"] = dict(chat_template_kwargs)
+    if reasoning_parser:
+        identity["reasoning_parser"] = reasoning_parser
+    if on_truncated != "keep":
+        identity["on_truncated"] = on_truncated
+    return identity
 
 
 def raw_rows(path: str | Path) -> list[tuple[int, bytes]]:

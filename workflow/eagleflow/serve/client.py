@@ -6,10 +6,11 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
   chunks to prefill starts a detached server process (`python -m <server_module> SPEC`), under
   a file lock so two jobs never start two. The server loads the target with the capture hooks
   installed, then listens on a Linux abstract unix socket (per host, nothing to clean up) with
-  an authkey kept in a 0600 file. Each extract job stays its own Snakemake job (outputs, shard
-  lock, chunk resume, finishing, record, verification, log): it connects as a client and asks
-  the server to prefill its shard. The server recomputes the shard's missing chunks itself
-  when the request starts, runs the same `run_chunks` as a per-shard engine, streams its
+  an authkey kept in a 0600 file of a 0700 `.engine/` folder (`eagleflow.store.private`).
+  Each extract job stays its own Snakemake job (outputs, shard lock, chunk resume,
+  finishing, record, verification, log): it connects as a client and asks the server to
+  prefill its shard. The server recomputes the shard's missing chunks itself when the
+  request starts, runs the same `run_chunks` as a per-shard engine, streams its
   progress lines to the client and ends with the figures or the full traceback, which the
   client prints in the shard's log.
 - `generate` (regenerate_shard jobs, `eagleflow.regenerate.generate_server`): started and
@@ -27,9 +28,14 @@ its stage's own module (the caller names it: `EngineClient(spec, server_module)`
 A server of a spec with `tcp` listens on a TCP port of its host instead of the unix socket,
 and writes `<key>.address` (host, port) next to its key file: a job on another node (another
 SLURM allocation: the training job of a streaming run) finds it there and connects with the
-same authkey (docs/streaming.md#transport). A job inside a SLURM allocation that starts a
-`tcp` server submits it as a SLURM job of its own (`server_job_command`: the engine's nodes
-and GPUs, the job's log), so the engine and the trainer hold separate allocations.
+same authkey (docs/streaming.md#transport). With `tls` (`draft.stream_tls`) the connection
+is TLS, with a certificate made for the run and pinned by the clients (`eagleflow.serve.tls`).
+A job inside a SLURM allocation that starts a `tcp` server submits it as a SLURM job of its
+own (`server_job_command`: the engine's nodes and GPUs, the job's log), so the engine and the
+trainer hold separate allocations.
+
+Messages travel on `eagleflow.serve.wire`: a mutual HMAC handshake over the key, then JSON
+headers and raw byte frames, never pickle; every wait has a limit (docs/security.md).
 
 The server serves one request at a time and exits when it has been idle (no client connected)
 for `idle_seconds`, when the Snakemake process it belongs to is gone (local runs), or after a
@@ -45,17 +51,20 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.serve import wire
+from eagleflow.store.private import engine_dir, private_dir, read_private, write_private
 
 LOADED = "eagleflow engine server: model loaded"  # one line per model load in the server log
 KINDS = ("capture", "generate")  # what a server's engine is built for, and the request it serves
@@ -70,6 +79,9 @@ STATES_TIMEOUT_S = 1800
 # ends still ends.
 PREFILL_SILENCE_S = STATES_TIMEOUT_S
 GENERATE_TIMEOUT_S = READY_TIMEOUT_S
+# A connected job that sends nothing for this long is dropped by the server (a vanished TCP
+# peer is noticed sooner, by keepalive): an extract job stays connected while it verifies.
+CLIENT_SILENCE_S = 3600.0
 
 
 def snakemake_ancestor(pid: int | None = None) -> int | None:
@@ -107,8 +119,19 @@ def alive(pid: int) -> bool:
 
 def registry_dir() -> Path:
     """Where this user's live servers on this host say who they are (`ServerSpec.registry_file`),
-    so that a job about to load an engine can ask the idle ones of its run to stop first."""
-    return Path(tempfile.gettempdir()) / f"eagleflow-engines-{os.getuid()}"
+    so that a job about to load an engine can ask the idle ones of its run to stop first:
+    `$XDG_RUNTIME_DIR/eagleflow-engines`, else `<tmp>/eagleflow-engines-<uid>`, a folder of
+    this uid's with mode 0700 (made so, or the run stops: `eagleflow.store.private`)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return private_dir(Path(runtime) / "eagleflow-engines")
+    return private_dir(Path(tempfile.gettempdir()) / f"eagleflow-engines-{os.getuid()}")
+
+
+def read_key(path) -> bytes:
+    """A server's authkey: only from a file of this uid's, mode 0600, in a `.engine/` folder
+    of this uid's that nobody else can write (UnsafePath otherwise)."""
+    return bytes.fromhex(read_private(path, secret=True))
 
 
 @dataclass(frozen=True)
@@ -130,8 +153,16 @@ class ServerSpec:
     # CUDA_VISIBLE_DEVICES of the server's engine (a streaming run shares its node with the
     # trainer's ranks); None: the starting job's.
     devices: str | None = None
+    # The server drops a connected job silent for this long (CLIENT_SILENCE_S).
+    client_silence_seconds: float = CLIENT_SILENCE_S
+    # ... and a client that has not proven the key this long after it was accepted.
+    handshake_seconds: float = wire.HANDSHAKE_TIMEOUT_S
+    # TLS on the TCP connection, with the run's certificate beside the key (serve.tls).
+    tls: bool = False
 
     def __post_init__(self):
+        if self.tls and not self.tcp:
+            raise ValueError("TLS is for a TCP server (draft.stream_tcp: true)")
         if self.kind not in KINDS:
             raise ValueError(f"unknown engine server kind {self.kind!r}: one of {KINDS}")
         if (self.plan is None) != (self.kind == "generate"):
@@ -150,6 +181,8 @@ class ServerSpec:
         }
         if self.tcp:
             ident["tcp"] = True
+            if self.tls:
+                ident["tls"] = True
         else:
             ident["host"] = socket.gethostname()
             ident["allocation"] = os.environ.get("SLURM_JOB_ID", "")
@@ -166,33 +199,44 @@ class ServerSpec:
     def tcp_address(self) -> tuple[str, int] | None:
         """(host, port) a TCP server wrote when it started listening; None before."""
         try:
-            d = json.loads(self.file(".address").read_text())
+            d = json.loads(read_private(self.file(".address")))
             return d["host"], int(d["port"])
         except (OSError, ValueError, KeyError):
             return None
 
-    def listen(self, authkey: bytes):
-        """The server's listener: the unix socket, or a TCP port of this host (any free one),
-        published in the `.address` file."""
+    def tls_context(self, server: bool = False):
+        """The TLS context of this spec's connections (None without TLS)."""
+        if not self.tls:
+            return None
+        from eagleflow.serve.tls import client_context, server_context
+
+        cert = self.file(".cert.pem")
+        return server_context(cert, self.file(".tls.pem")) if server else client_context(cert)
+
+    def listen(self) -> socket.socket:
+        """The server's listening socket: the unix socket, or a TCP port (any free one) on the
+        address of the host it publishes in the `.address` file, not on every interface."""
         # A deep backlog: clients (a streaming run's workers on several nodes, whose lock
         # file may not serialize them) queue in the kernel, none is refused.
         if not self.tcp:
-            return Listener(self.address, family="AF_UNIX", backlog=BACKLOG, authkey=authkey)
-        listener = Listener(("", 0), family="AF_INET", backlog=BACKLOG, authkey=authkey)
+            return wire.listen(self.address, socket.AF_UNIX, BACKLOG)
         host = os.environ.get("EAGLEFLOW_SERVER_HOST") or socket.gethostname()
-        tmp = self.file(f".address.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"host": host, "port": listener.address[1]}))
-        os.replace(tmp, self.file(".address"))
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        listener = wire.listen(sockaddr[:2], family, BACKLOG)
+        port = listener.getsockname()[1]
+        write_private(self.file(".address"), json.dumps({"host": host, "port": port}))
         return listener
 
-    def connect(self, authkey: bytes):
-        """A connection to the server (its listener accepts while it loads)."""
+    def connect(self, authkey: bytes, ready_timeout: float = READY_TIMEOUT_S) -> wire.Connection:
+        """A connection to the server that has proven it holds the key; a server still loading
+        accepts once loaded (waited for up to `ready_timeout` s)."""
         if not self.tcp:
-            return Client(self.address, family="AF_UNIX", authkey=authkey)
+            return wire.connect(self.address, socket.AF_UNIX, authkey, ready_timeout)
         address = self.tcp_address()
         if address is None:
             raise ConnectionRefusedError(f"no {self.file('.address')} yet")
-        return Client(address, family="AF_INET", authkey=authkey)
+        family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
+        return wire.connect(address, family, authkey, ready_timeout, self.tls_context())
 
     @property
     def log_path(self) -> Path:
@@ -218,6 +262,7 @@ class ServerSpec:
             "address": list(self.tcp_address() or ()) if self.tcp else self.address,
             "family": "AF_INET" if self.tcp else "AF_UNIX",
             "keyfile": str(Path(self.file(".key")).resolve()),
+            "tls": self.tls,
             "run": list(self.run),
             "log": str(self.log_path),
         }
@@ -233,6 +278,9 @@ class ServerSpec:
             "kind": self.kind,
             "tcp": self.tcp,
             "devices": self.devices,
+            "client_silence_seconds": self.client_silence_seconds,
+            "handshake_seconds": self.handshake_seconds,
+            "tls": self.tls,
         }
 
     @classmethod
@@ -247,6 +295,9 @@ class ServerSpec:
             d.get("kind", "capture"),
             d.get("tcp", False),
             d.get("devices"),
+            float(d.get("client_silence_seconds", CLIENT_SILENCE_S)),
+            float(d.get("handshake_seconds", wire.HANDSHAKE_TIMEOUT_S)),
+            bool(d.get("tls", False)),
         )
 
 
@@ -306,7 +357,7 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
         try:
             entry = json.loads(path.read_text())
             pid = int(entry["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
         if not alive(pid):
             path.unlink(missing_ok=True)  # a server killed before it could remove its entry
@@ -314,15 +365,24 @@ def release_idle_servers(run: tuple, keep: str | None = None, log=print) -> None
         if entry.get("key") == keep or tuple(entry.get("run") or ()) != tuple(run):
             continue
         try:
-            authkey = bytes.fromhex(Path(entry["keyfile"]).read_text())
-            family = entry.get("family", "AF_UNIX")
-            address = tuple(entry["address"]) if family == "AF_INET" else entry["address"]
-            conn = Client(address, family=family, authkey=authkey)
-            conn.recv()  # hello
+            # Only a key of this uid's, in a private `.engine/` (read_key), is ever used.
+            authkey = read_key(entry["keyfile"])
+            tls = None
+            if entry.get("tls"):
+                from eagleflow.serve.tls import client_context
+
+                tls = client_context(Path(str(entry["keyfile"])).with_suffix(".cert.pem"))
+            if entry.get("family", "AF_UNIX") == "AF_INET":
+                address = tuple(entry["address"])
+                family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
+            else:
+                address, family = str(entry["address"]), socket.AF_UNIX
+            conn = wire.connect(address, family, authkey, READY_TIMEOUT_S, tls)
+            conn.recv(READY_TIMEOUT_S)  # hello
             conn.send(("release",))
-            conn.recv()
+            conn.recv(RELEASE_TIMEOUT_S)
             conn.close()
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError, KeyError, TypeError):
             if not alive(pid):
                 continue  # it stopped meanwhile
             # Not reachable (its key file replaced): nobody can use it; it idles out.
@@ -343,12 +403,12 @@ def stop_server(spec: ServerSpec, log=print) -> bool:
     streaming training job that has finished with it frees its devices for the next job).
     Returns whether one was asked."""
     try:
-        conn = spec.connect(bytes.fromhex(spec.file(".key").read_text()))
-        pid = conn.recv()[1]  # hello
+        conn = spec.connect(read_key(spec.file(".key")), ready_timeout=RELEASE_TIMEOUT_S)
+        pid = conn.recv(RELEASE_TIMEOUT_S)[1]  # hello
         conn.send(("release",))
-        conn.recv()
+        conn.recv(RELEASE_TIMEOUT_S)
         conn.close()
-    except (OSError, EOFError, ValueError):
+    except (OSError, EOFError, ValueError, IndexError, TypeError):
         return False
     log(f"engine: asked the {spec.kind} engine server pid {pid} to stop")
     return True
@@ -372,12 +432,16 @@ def server_job_command(spec: ServerSpec, server_module: str, python: str = sys.e
         per_node = s.tensor_parallel_size * s.pipeline_parallel_size // s.nodes
         cmd += [f"--gres=gpu:{per_node}", "--exclusive"]
     spec_file = Path(spec.file(".spec.json")).resolve()
-    return [*cmd, f"--chdir={os.getcwd()}", "--wrap", f"{python} -m {server_module} {spec_file}"]
+    # --wrap is a shell command line: every word quoted (a space or `$()` in a path stays text).
+    wrap = shlex.join([python, "-m", server_module, str(spec_file)])
+    return [*cmd, f"--chdir={os.getcwd()}", "--wrap", wrap]
 
 
 def slurm_job_alive(job_id: str) -> bool:
     """The SLURM job is pending or running (squeue still lists it)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+    )
     return out.returncode == 0 and out.stdout.strip() not in ("", "COMPLETED", "FAILED")
 
 
@@ -416,22 +480,23 @@ class EngineClient:
 
     def _try_connect(self) -> bool:
         try:
-            authkey = bytes.fromhex(self.spec.file(".key").read_text())
-            conn = self.spec.connect(authkey)
-            # A server still loading has accepted the connection; its hello comes when loaded.
-            if not conn.poll(READY_TIMEOUT_S):
-                conn.close()
-                return False
-            hello = conn.recv()
-        except (OSError, EOFError, ValueError):
+            authkey = read_key(self.spec.file(".key"))
+        except FileNotFoundError:
             return False
-        self.conn, self.server_pid = conn, hello[1]
+        try:
+            # A server still loading has the connection queued; it accepts when loaded.
+            conn = self.spec.connect(authkey)
+            hello = conn.recv(READY_TIMEOUT_S)
+            pid = int(hello[1])
+        except (OSError, EOFError, ValueError, IndexError, TypeError):
+            return False
+        self.conn, self.server_pid = conn, pid
         return True
 
     def _connect_or_start(self) -> None:
         spec = self.spec
-        Path(spec.engine_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(spec.file(".lock"), os.O_CREAT | os.O_RDWR)
+        engine_dir(spec.engine_dir)  # 0700, this uid's, or the job stops naming it
+        fd = os.open(spec.file(".lock"), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one starter; others wait for its server
             if self._try_connect():
@@ -445,10 +510,14 @@ class EngineClient:
         spec = self.spec
         keyfile = spec.file(".key")
         keyfile.unlink(missing_ok=True)
-        fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        fd = os.open(keyfile, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        spec.file(".spec.json").write_text(json.dumps(spec.to_json()))
+        if spec.tls:
+            from eagleflow.serve.tls import make_certificate
+
+            make_certificate(spec.file(".cert.pem"), spec.file(".tls.pem"), f"eagleflow-{spec.key}")
+        write_private(spec.file(".spec.json"), json.dumps(spec.to_json()))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         release_idle_servers(spec.run, keep=spec.key, log=self.log)
         self.log(f"engine: starting a server, log {spec.log_path}")
@@ -477,7 +546,8 @@ class EngineClient:
                     f"its log {spec.log_path} ends:\n{log_tail(spec.log_path)}"
                 )
             if time.time() > deadline:
-                proc.kill()
+                # Its own session: the engine's workers go with it.
+                os.killpg(proc.pid, signal.SIGKILL)
                 raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
             time.sleep(0.5)
         self.started_here = True
@@ -487,22 +557,27 @@ class EngineClient:
         """Start the server as a SLURM job of its own and wait for it (queue wait included)."""
         spec = self.spec
         cmd = server_job_command(spec, self.server_module)
-        job = subprocess.run(cmd, capture_output=True, text=True)
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if job.returncode:
-            raise RuntimeError(f"could not submit the engine server: {' '.join(cmd)}: {job.stderr}")
+            raise RuntimeError(
+                f"could not submit the engine server: {shlex.join(cmd)}: {job.stderr}"
+            )
         job_id = job.stdout.strip().split(";")[0]
         self.log(f"engine: server submitted as SLURM job {job_id}, log {spec.log_path}")
         deadline = time.time() + READY_TIMEOUT_S
-        while not self._try_connect():
-            if not slurm_job_alive(job_id):
-                raise RuntimeError(
-                    f"the engine server's SLURM job {job_id} ended before it served; its log "
-                    f"{spec.log_path} ends:\n{log_tail(spec.log_path)}"
-                )
-            if time.time() > deadline:
-                subprocess.run(["scancel", job_id])
-                raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
-            time.sleep(2.0)
+        try:
+            while not self._try_connect():
+                if not slurm_job_alive(job_id):
+                    raise RuntimeError(
+                        f"the engine server's SLURM job {job_id} ended before it served; its log "
+                        f"{spec.log_path} ends:\n{log_tail(spec.log_path)}"
+                    )
+                if time.time() > deadline:
+                    raise RuntimeError(f"the engine server did not start in {READY_TIMEOUT_S} s")
+                time.sleep(2.0)
+        except BaseException:  # the deadline, an interrupt, any error: nobody will use it
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+            raise
         self.started_here = True
         self.log(f"engine: server pid {self.server_pid} (SLURM job {job_id}) started")
 
@@ -519,13 +594,14 @@ class EngineClient:
         try:
             self.conn.send((kind, request))
             while True:
-                if timeout is not None and not self.conn.poll(timeout):
+                try:
+                    msg = self.conn.recv(timeout)
+                except wire.PeerSilent:
                     raise RuntimeError(
                         f"the engine server (pid {self.server_pid}) sent nothing for "
                         f"{timeout} s while {doing}: its host may be gone; its log "
                         f"{self.spec.log_path} ends:\n{log_tail(self.spec.log_path)}"
-                    )
-                msg = self.conn.recv()
+                    ) from None
                 if msg[0] == "log":
                     progress.write(msg[1])
                     progress.flush()
@@ -556,12 +632,17 @@ class EngineClient:
         doing = "capturing a training pack's states"
         return self._request("states", request, doing, timeout=STATES_TIMEOUT_S)
 
-    def generate(self, prompts, max_new_tokens: int) -> list[tuple[str, str, int]]:
+    def generate(
+        self, prompts, max_new_tokens: int, keep_special_tokens: bool = False
+    ) -> list[tuple[str, str, int]]:
         """One round: the server's `generate_replies` over these prompt id lists, (text,
         finish reason, generated tokens) per prompt, in order."""
         request = {
             "prompts": [[int(t) for t in p] for p in prompts],
             "max_new_tokens": max_new_tokens,
         }
+        if keep_special_tokens:  # only when asked: the request of before, byte for byte
+            request["keep_special_tokens"] = True
         doing = "generating this shard's replies"
-        return self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
+        answer = self._request("generate", request, doing, timeout=GENERATE_TIMEOUT_S)
+        return [tuple(r) for r in answer]  # the wire carries lists

@@ -7,6 +7,11 @@ shards its extract jobs send; `eagleflow.regenerate.generate_server` loads the r
 engine and answers the rounds its regenerate_shard jobs send. Each calls
 `serve(spec_from_command_line(), TheEngine)`. Either serves one request at a time and exits
 when idle, when its Snakemake run is gone, or after a failed request.
+
+A client is served only once it has proven the key (`eagleflow.serve.wire.accept`); one that
+fails or stalls in the handshake, sends something that is not a message, goes silent for
+`client_silence_seconds` or vanishes is dropped, and the next one is served. Only an
+authenticated client counts as activity for the idle watchdog.
 """
 
 from __future__ import annotations
@@ -20,18 +25,25 @@ import time
 import traceback
 from pathlib import Path
 
-from eagleflow.serve.client import LOADED, ServerSpec, alive
+from eagleflow.serve import wire
+from eagleflow.serve.client import LOADED, ServerSpec, alive, read_key, registry_dir
+from eagleflow.store.private import read_private, write_private
 
 
 class ToClient:
-    """A file-like progress sink (tqdm) that sends its text to the client."""
+    """A file-like progress sink (tqdm) that sends its text to the client. A client gone in
+    the middle of a request does not fail it: the request runs to its end (its chunks are
+    committed, the engine stays in a known state), and its answer finds nobody."""
 
     def __init__(self, conn):
-        self.conn = conn
+        self.conn, self.gone = conn, False
 
     def write(self, text):
-        if text:
-            self.conn.send(("log", text))
+        if text and not self.gone:
+            try:
+                self.conn.send(("log", text))
+            except OSError:
+                self.gone = True
 
     def flush(self):
         pass
@@ -51,8 +63,9 @@ def serve(spec: ServerSpec, build) -> None:
         f"eagleflow engine server {spec.key}: pid {os.getpid()}, {spec.kind} engine, loading",
         flush=True,
     )
-    authkey = bytes.fromhex(spec.file(".key").read_text())
-    listener = spec.listen(authkey)
+    authkey = read_key(spec.file(".key"))
+    tls = spec.tls_context(server=True)
+    listener = spec.listen()
     state = {"busy": True, "last": time.monotonic(), "engine": None}  # busy: loading
     lock = threading.Lock()
 
@@ -86,23 +99,24 @@ def serve(spec: ServerSpec, build) -> None:
     print(f"{LOADED} in {load_s:.1f} s", flush=True)
     # Who this server is, for a job of the same run about to load another engine
     # (eagleflow.serve.client.release_idle_servers).
-    spec.registry_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = spec.registry_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(spec.registry_entry(os.getpid())))
-    os.replace(tmp, spec.registry_file)
+    registry_dir()  # a private folder, or the server stops naming it
+    write_private(spec.registry_file, json.dumps(spec.registry_entry(os.getpid())))
     with lock:
         state.update(engine=engine, busy=False, last=time.monotonic())
     while True:
         try:
-            conn = listener.accept()
-        except OSError:  # a failed handshake (a wrong key, a client gone): keep serving
+            conn = wire.accept(listener, authkey, spec.handshake_seconds, tls)
+        except Exception as e:  # a wrong key, a silent or vanished client: serve the next
+            print(f"eagleflow engine server: a client was refused ({type(e).__name__})", flush=True)
             continue
         with lock:
             state["busy"] = True
         try:
             conn.send(("hello", os.getpid(), load_s))
             while True:
-                msg = conn.recv()
+                msg = conn.recv(spec.client_silence_seconds)
+                if not (isinstance(msg, list) and msg and isinstance(msg[0], str)):
+                    raise wire.WireError("a message that is not [kind, ...]")
                 if msg[0] == "bye":
                     break
                 if msg[0] == "release":  # only ever the first message: no job is connected
@@ -111,6 +125,8 @@ def serve(spec: ServerSpec, build) -> None:
                 if msg[0] not in engine.requests:
                     conn.send(("error", f"a {spec.kind} engine server serves no {msg[0]!r}"))
                     continue
+                if len(msg) != 2 or not isinstance(msg[1], dict):
+                    raise wire.WireError(f"a {msg[0]!r} request that is not [kind, dict]")
                 try:
                     answer = engine.handle(msg[0], msg[1], conn)
                 except Exception:
@@ -122,9 +138,10 @@ def serve(spec: ServerSpec, build) -> None:
                         # The engine's queue (and the capture workers' chunk state) are unknown.
                         shut_down("a request failed", 1)
                 conn.send(("done", answer))
-        except (EOFError, OSError):
-            # The client went away (its job was killed): whatever was committed stays.
-            print("eagleflow engine server: a client went away", flush=True)
+        except (EOFError, OSError) as e:
+            # The client went away (its job was killed), stalled, or broke the protocol (a
+            # WireError): whatever was committed stays.
+            print(f"eagleflow engine server: a client went away ({e})", flush=True)
         finally:
             conn.close()
             with lock:
@@ -138,4 +155,4 @@ def spec_from_command_line() -> ServerSpec:
     parser = argparse.ArgumentParser(description="an eagleflow engine server")
     parser.add_argument("spec", help="the server's spec file (written by the first client)")
     args = parser.parse_args()
-    return ServerSpec.from_json(json.loads(Path(args.spec).read_text()))
+    return ServerSpec.from_json(json.loads(read_private(Path(args.spec))))

@@ -24,6 +24,24 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return json.loads(blob), 8 + n
 
 
+def foreign_header(header) -> str | None:
+    """What makes `header` not a safetensors header (a dict of tensor entries, each a dict
+    with two integer data offsets, and a dict of str metadata); None when it is one."""
+    if not isinstance(header, dict):
+        return f"a JSON {type(header).__name__}, not an object"
+    for k, v in header.items():
+        if k == "__metadata__":
+            if not isinstance(v, dict):
+                return "__metadata__ is not an object"
+            continue
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+        ):
+            return f"entry {k!r} has no [start, end] data offsets"
+    return None
+
+
 def file_sha256(path: str | Path, block: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -46,8 +64,11 @@ def cheap_check(path: str | Path, record: dict, fingerprint: str) -> list[str]:
         )
     try:
         header, data_start = read_header(path)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
+    except (ValueError, OSError, RecursionError) as e:
         return problems + [f"unreadable header: {e}"]
+    foreign = foreign_header(header)
+    if foreign:
+        return problems + [f"not a safetensors header: {foreign}"]
     meta = header.get("__metadata__", {})
     if meta.get("fingerprint") != fingerprint:
         problems.append(

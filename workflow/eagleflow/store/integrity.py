@@ -14,6 +14,14 @@ The token shards get the same treatment one level up: the shard checkpoint's man
 them, and Snakemake takes the checkpoint for done while the manifest exists, so a token shard
 deleted by hand would leave its extraction job without an input. A manifest that lists a
 missing token shard (or cannot be read) is moved aside, and the checkpoint re-shards.
+
+Two things are never touched: a shard whose extract job holds its lock
+(`<hidden dir>/.partial/<shard>/lock`, `eagleflow.extract.shard.shard_lock`: between the
+link into place and the record, a running job's shard looks unfinished), and anything at all
+in a dry run (`snakemake -n`), which only reports what a real run would move. The manifest
+is the exception: a dry run moves it aside too, since no job writes a manifest that lists a
+missing token shard and without the move the dry run cannot plan at all (the extraction jobs
+would lack their input).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import time
 from pathlib import Path
 
 from eagleflow.store.headers import cheap_check
+from eagleflow.store.locks import held_by_another
 
 SHARD_FILES = (".safetensors", ".json", ".verify.json")
 SUMMARY_FILES = ("verify_summary.tsv", "manifest.parquet")
@@ -45,8 +54,11 @@ def quarantine(hidden_dir: Path, shard_id: str, problems: list[str]) -> Path:
     )
 
 
-def set_aside_stale_summary(hidden_dir: Path, shard_ids, log=print) -> Path | None:
-    """Move the summary aside when any shard of the current set lacks one of its files."""
+def set_aside_stale_summary(
+    hidden_dir: Path, shard_ids, log=print, dry_run: bool = False
+) -> Path | None:
+    """Move the summary aside when any shard of the current set lacks one of its files (in a
+    dry run: say so)."""
     summary = [hidden_dir / name for name in SUMMARY_FILES]
     if not any(p.exists() for p in summary):
         return None
@@ -55,6 +67,12 @@ def set_aside_stale_summary(hidden_dir: Path, shard_ids, log=print) -> Path | No
         s for s in shard_ids if any(f"{s}{suffix}" not in names for suffix in SHARD_FILES)
     ]
     if not unfinished:
+        return None
+    if dry_run:
+        log(
+            f"eagleflow: {len(unfinished)} shard(s) to extract or verify (first: "
+            f"{unfinished[0]}); a run would move the verification summary aside (dry run: kept)"
+        )
         return None
     dest = _move_aside(
         hidden_dir,
@@ -70,10 +88,10 @@ def set_aside_stale_summary(hidden_dir: Path, shard_ids, log=print) -> Path | No
 
 
 def check_finished_shards(
-    hidden_dir: str | Path, shard_ids, fingerprint: str, log=print
+    hidden_dir: str | Path, shard_ids, fingerprint: str, log=print, dry_run: bool = False
 ) -> list[str]:
-    """Cheap-check every shard that looks finished; quarantine the bad ones (and set a stale
-    summary aside); return their ids."""
+    """Cheap-check every shard that looks finished and whose job is not running; quarantine
+    the bad ones (and set a stale summary aside); return their ids. `dry_run`: report only."""
     hidden_dir = Path(hidden_dir)
     if not hidden_dir.is_dir():
         return []
@@ -82,20 +100,30 @@ def check_finished_shards(
         data, record_path = hidden_dir / f"{shard_id}.safetensors", hidden_dir / f"{shard_id}.json"
         if not data.exists() and not record_path.exists():
             continue  # not extracted yet
+        if held_by_another(hidden_dir / ".partial" / shard_id / "lock"):
+            continue  # its job runs: between its link into place and its record
         try:
             record = json.loads(record_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError, RecursionError) as e:
             problems = [f"extraction record unreadable ({e})"]
         else:
             problems = cheap_check(data, record, fingerprint)
-        if problems:
+        if problems and dry_run:
+            log(
+                f"eagleflow: shard {shard_id} fails the integrity check ({'; '.join(problems)}); "
+                "a run would quarantine it and extract it again (dry run: left in place)"
+            )
+            bad.append(shard_id)
+        elif problems:
             dest = quarantine(hidden_dir, shard_id, problems)
             log(
                 f"eagleflow: shard {shard_id} failed the integrity check ({'; '.join(problems)}); "
                 f"moved to {dest} and scheduled for re-extraction"
             )
             bad.append(shard_id)
-    set_aside_stale_summary(hidden_dir, shard_ids, log=log)
+    set_aside_stale_summary(hidden_dir, shard_ids, log=log, dry_run=dry_run)
     return bad
 
 

@@ -6,7 +6,10 @@ One file per token shard, `<cache dir>/<shard>.safetensors`, in the extracted sh
 layout (`eagleflow.store.shardfile`: same header, same rows, sparse until written), so a
 cached sample is read exactly as a stored one. Only the engine server writes (one request at
 a time): the rows of a sample are written and flushed, then the sample is listed in
-`<shard>.cached.json` (temporary name, rename), so a reader never takes a hole for states.
+`<shard>.cached.json` (an unpredictable temporary name, fsync, rename, fsync of the folder),
+so a reader never takes a hole for states. An index that cannot be read (a crash of a
+filesystem without ordered renames) counts as empty, with a warning: its shard's file is
+prepared again and the samples are streamed and cached again.
 The budget counts the blocks the files really hold (`st_blocks`), and a sample is cached only
 when its rows fit in what is left, rounded up to whole pages at both ends.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +28,8 @@ from safetensors import safe_open
 
 from eagleflow.data.shards import TokenShard
 from eagleflow.store.direct_io import ALIGN, round_up
+from eagleflow.store.locks import fsync_dir
+from eagleflow.store.private import write_private
 from eagleflow.store.quant import SCALES_KEY
 from eagleflow.store.shardfile import plan_shard_file, prepare
 
@@ -42,9 +48,18 @@ class StateCache:
 
     def cached(self, shard_id: str) -> set[int]:
         """The sample indices of the shard whose rows are in its cache file."""
+        path = self.index_file(shard_id)
         try:
-            return set(json.loads(self.index_file(shard_id).read_text())["samples"])
+            samples = json.loads(path.read_text())["samples"]
+            return {int(j) for j in samples}
         except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            warnings.warn(
+                f"{path} is unreadable ({type(e).__name__}: {e}); its samples count as not "
+                "cached and are cached again",
+                stacklevel=2,
+            )
             return set()
 
     def used_bytes(self) -> int:
@@ -83,7 +98,8 @@ class StateCache:
             index = self.index_file(shard.shard_id)
             have = self.cached(shard.shard_id)
             used = self.used_bytes()
-            new_file = not shard_file.path.is_file()
+            # No listed sample (a new shard, or an unreadable index): the file starts afresh.
+            new_file = not have or not shard_file.path.is_file()
             # A new file holds its header and token tensors at once.
             small = round_up(shard_file.spans["hidden_states"][0]) + sum(
                 round_up(e - s) + ALIGN
@@ -108,9 +124,8 @@ class StateCache:
                 used += need
                 written += n * shard_file.n_layers * shard_file.state_bytes
             if fresh and written:
-                tmp = index.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"samples": sorted(have)}))
-                os.replace(tmp, index)
+                write_private(index, json.dumps({"samples": sorted(have)}), mode=0o644)
+                fsync_dir(self.dir)
         return written
 
     def complete(self, shard: TokenShard) -> bool:
