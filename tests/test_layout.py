@@ -20,6 +20,8 @@ ORDER = [
     "regenerate",
     "extract",
     "draft",
+    "export",
+    "evaluate",
     "embedded",
 ]
 

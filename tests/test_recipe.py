@@ -89,8 +89,8 @@ def test_eagle31_options_are_exported_and_trained(tmp_path):
     train, and reach the export's config and weights."""
     from safetensors import safe_open
 
-    from eagleflow.draft.export import export_draft
     from eagleflow.draft.train import load_trained
+    from eagleflow.export.export import export_draft
 
     cfg = DraftConfig(
         hidden_size=H,
