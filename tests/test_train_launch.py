@@ -1,5 +1,5 @@
-"""How the workflow launches the draft trainer and sizes its job (eagleflow.draft.launch,
-eagleflow.draft.resources, eagleflow.draft.progress): the command for 1 rank, torchrun on one
+"""How the workflow launches the draft trainer and sizes its job (eagleflow.train.launch,
+eagleflow.plan.resources, eagleflow.plan.progress): the command for 1 rank, torchrun on one
 machine and srun tasks on SLURM; the sbatch options the pinned SLURM plugin makes of the
 job's resources; the time limit from the tokens to train and the rate; the progress report.
 Pure functions: no rank is started (tests/test_train_distributed.py starts them)."""
@@ -11,9 +11,8 @@ import pandas as pd
 import pytest
 
 from eagleflow.data.heldout import excluder, is_heldout
-from eagleflow.draft import launch
-from eagleflow.draft.progress import format_training_progress, training_progress
-from eagleflow.draft.resources import (
+from eagleflow.plan.progress import format_training_progress, training_progress
+from eagleflow.plan.resources import (
     TrainingTokens,
     TrainJob,
     evaluate_runtime_minutes,
@@ -23,7 +22,8 @@ from eagleflow.draft.resources import (
     read_progress,
     train_runtime_minutes,
 )
-from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.train import launch
 
 CPU = {"device": "cpu", "tensor_parallel_size": 1}
 GPU_NODE = {"device": "cuda", "tensor_parallel_size": 8, "pipeline_parallel_size": 1, "nodes": 1}
@@ -48,7 +48,7 @@ def test_processes_per_node_defaults_to_the_gpus_on_cuda_and_one_on_cpu():
 
 def test_one_rank_runs_the_trainer_as_a_plain_process():
     cmd = launch.command(launch.Launch(1, 1, "cpu", cpus_per_rank=2), ARGS, python="py")
-    assert cmd.argv == ["py", "-m", "eagleflow.draft.train", *ARGS]
+    assert cmd.argv == ["py", "-m", "eagleflow.train.train", *ARGS]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -68,7 +68,7 @@ def test_ranks_on_this_machine_start_under_torchrun_standalone():
         "--nproc_per_node",
         "2",
         "-m",
-        "eagleflow.draft.train",
+        "eagleflow.train.train",
         *ARGS,
     ]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -90,7 +90,7 @@ def test_slurm_ranks_are_srun_tasks_with_a_rendezvous_on_the_first_node():
         "--gres=gpu:8",
         "py",
         "-m",
-        "eagleflow.draft.launch",
+        "eagleflow.train.launch",
         *ARGS,
     ]
     assert cmd.env["MASTER_PORT"] == "29511" and cmd.env["MASTER_ADDR"] not in ("", "127.0.0.1")
@@ -299,8 +299,8 @@ def test_the_rate_is_the_checkpoints_measured_rate_per_rank(tmp_path):
 
 
 def test_host_memory_counts_every_rank_and_on_cpu_the_whole_plan():
-    from eagleflow.draft.memory_plan import Workload, plan_memory
     from eagleflow.draft.model import DraftConfig
+    from eagleflow.train.memory_plan import Workload, plan_memory
 
     cfg = DraftConfig(256, 1024, 4, 4, 64, 1024, 512, 3)
     gpu = plan_memory(cfg, Workload(8192, 3, 8, "cuda"))
@@ -373,8 +373,8 @@ def test_the_gpu_examples_train_on_every_gpu_of_one_node(example, gpus):
 def test_preflight_refuses_a_draft_that_cannot_fit_before_any_rank_starts(tmp_path):
     """The memory plan at the target's shape and the longest pack, at the launch's world size:
     one sentence naming the key, as the trainer's own check gives it."""
-    from eagleflow.draft.memory_plan import MemoryPlanError
     from eagleflow.draft.vocab import build_draft_vocab
+    from eagleflow.train.memory_plan import MemoryPlanError
     from support.draft_fixtures import TINY_DRAFT, V, write_shard, write_target
 
     target = write_target(tmp_path / "target")

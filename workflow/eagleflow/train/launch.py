@@ -1,11 +1,11 @@
 """How the workflow starts the draft trainer: `draft.nodes` x `draft.processes_per_node` ranks.
 
-    one rank          python -m eagleflow.draft.train ARGS                (a plain process)
+    one rank          python -m eagleflow.train.train ARGS                (a plain process)
     one node, here    python -m torch.distributed.run --standalone --nnodes 1
-                          --nproc_per_node P -m eagleflow.draft.train ARGS
+                          --nproc_per_node P -m eagleflow.train.train ARGS
     SLURM             srun --kill-on-bad-exit=1 --nodes=N --ntasks=N*P --ntasks-per-node=P
                           --cpus-per-task=C --mem=0 [--gres=gpu:P]
-                          python -m eagleflow.draft.launch ARGS
+                          python -m eagleflow.train.launch ARGS
 
 On SLURM every rank is a task of one `srun` step, without torchrun (the pattern of SLURM's MPI
 launches and of Lightning's SLURM support; torchtitan's multi-node script runs `srun torchrun`
@@ -16,12 +16,12 @@ allocation's first node, where rank 0 runs (block distribution). SLURM starts, w
 ends the ranks: `--kill-on-bad-exit` ends the step when one rank fails, and srun names the
 task that did. Each task sees every GPU of its node and takes `cuda:LOCAL_RANK`.
 
-The job (train_draft's resources, `eagleflow.draft.resources`) is submitted with those tasks; the
+The job (train_draft's resources, `eagleflow.plan.resources`) is submitted with those tasks; the
 job step that runs the script itself is the allocation's batch step (the `mpi` resource keeps
 the jobstep plugin from wrapping it in an `srun` of its own), so the ranks' `srun` is the only
 step. `preflight` refuses, in one sentence naming the key, a run that cannot start: more nodes
 than one outside SLURM, a global batch the ranks cannot share, a draft that does not fit a
-device (`eagleflow.draft.memory_plan`).
+device (`eagleflow.train.memory_plan`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from eagleflow.draft.resources import TrainJob, processes_per_node
-from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.resources import TrainJob, processes_per_node
+from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
 
-TRAINER = "eagleflow.draft.train"
-LAUNCHER = "eagleflow.draft.launch"  # this module: one srun task, one rank
+TRAINER = "eagleflow.train.train"
+LAUNCHER = "eagleflow.train.launch"  # this module: one srun task, one rank
 CONFIG_FILE = "train_config.json"  # in the trainer's work directory
 ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
 DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
@@ -144,7 +144,7 @@ def preflight(
     stream_layer_ids=None,
 ):
     """Before any rank starts: `Launch.check`, then the trainer's own memory check
-    (`eagleflow.draft.train.check_memory`) of the draft at the target's shape and the
+    (`eagleflow.train.train.check_memory`) of the draft at the target's shape and the
     longest pack, at this launch's world size, on this node's first device (left to the
     ranks where the launcher sees no GPU). Reads the shards' offsets only.
     `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
@@ -163,10 +163,10 @@ def preflight(
         return None
 
     from eagleflow.data.heldout import excluder
-    from eagleflow.draft.data import layout_of, read_layout, sample_table, shard_paths
     from eagleflow.draft.model import DraftConfig
-    from eagleflow.draft.train import check_memory
     from eagleflow.target.head import read_target_config
+    from eagleflow.train.data import layout_of, read_layout, sample_table, shard_paths
+    from eagleflow.train.train import check_memory
 
     config = read_target_config(target)
     num_layers = int(config["num_hidden_layers"])
@@ -196,7 +196,7 @@ def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[Trai
 def recipe_settings(draft: dict) -> dict:
     """The `draft` keys that decide the trained weights or the run's extent: train_draft's
     params, so that a change to one of them (and to nothing else) runs the job again (it then
-    resumes or restarts, as `eagleflow.draft.train.training_recipe` decides)."""
+    resumes or restarts, as `eagleflow.train.train.training_recipe` decides)."""
     names = {f.name for f in fields(TrainConfig)} - set(RUNTIME_KEYS) - {"heldout_modulus"}
     names |= set(ARCH_KEYS)
     return {k: draft[k] for k in sorted(names) if k in draft}
@@ -205,9 +205,9 @@ def recipe_settings(draft: dict) -> dict:
 def trainer_args(
     shards, target, vocab, out, cfg: TrainConfig, overrides: dict, stream=None
 ) -> list[str]:
-    """The trainer's command-line arguments (`eagleflow.draft.train.main`); the settings go
+    """The trainer's command-line arguments (`eagleflow.train.train.main`); the settings go
     into `out`/train_config.json, which the log and a rerun by hand can read, and a
-    `stream` source (`eagleflow.draft.states.StreamSource`) into `out`/stream.json."""
+    `stream` source (`eagleflow.train.states.StreamSource`) into `out`/stream.json."""
     Path(out).mkdir(parents=True, exist_ok=True)
     config = Path(out) / CONFIG_FILE
     config.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
@@ -281,7 +281,7 @@ def rank_env(environ) -> dict[str, str]:
     if missing:
         raise LaunchError(
             f"{', '.join(missing)} not set: python -m {LAUNCHER} runs as a task of the srun "
-            "step that eagleflow.draft.launch.command builds"
+            "step that eagleflow.train.launch.command builds"
         )
     return {
         "RANK": environ["SLURM_PROCID"],
@@ -294,7 +294,7 @@ def rank_env(environ) -> dict[str, str]:
 def main(argv=None) -> None:
     """One srun task: a rank of the trainer."""
     os.environ.update(rank_env(os.environ))
-    from eagleflow.draft import train
+    from eagleflow.train import train
 
     train.main(argv)
 
