@@ -455,7 +455,7 @@ class RunSetup:
         """From `--configfile`, `--shards`, `--vocab`, `--target` and `--dataset`."""
         from eagleflow.engine.settings import EngineSettings
         from eagleflow.evaluate.acceptance import EvalSettings, load_prompts
-        from eagleflow.train.launch import train_settings
+        from eagleflow.plan.launch import train_settings
 
         config = workflow_config(args.configfile)
         modulus = config["data"]["heldout_modulus"]

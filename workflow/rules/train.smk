@@ -5,7 +5,7 @@
 # (same seed, recipe, draft and shards; eagleflow.train.train.training_recipe), at any world
 # size; train/best/ is the draft with the best simulated acceptance length, what export reads.
 
-from eagleflow.train.launch import recipe_settings
+from eagleflow.plan.launch import recipe_settings
 
 DRAFT = f"{R}/draft/{{fp}}"
 DRAFT_CFG = config["draft"]
@@ -57,7 +57,7 @@ rule train_draft:
     conda:
         CONDA_ENV
     # draft.nodes x draft.processes_per_node ranks: torchrun on this machine, or one srun task
-    # per rank in the job's SLURM allocation (eagleflow.train.launch); the job asks for them,
+    # per rank in the job's SLURM allocation (eagleflow.plan.launch); the job asks for them,
     # their GPUs, CPUs and memory, and a runtime sized from the tokens to train and the rate
     # (resources.smk, eagleflow.plan.resources, docs/slurm.md).
     threads: train_threads

@@ -6,14 +6,15 @@ from pathlib import Path
 
 from eagleflow.draft.vocab import load_vocab
 from eagleflow.logs import UserError, redirect_to_log
+from eagleflow.plan import launch
 from eagleflow.serve.client import stop_server
-from eagleflow.train import launch
 from eagleflow.train.checkpoint import BEST
 from eagleflow.train.memory_plan import MemoryPlanError
+from eagleflow.train.preflight import launch_for_job, preflight
 from eagleflow.train.states import StreamSource
 from eagleflow.train.train import CURVES, METRICS, SUMMARY, VALIDATION
 
-# Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.train.launch): with
+# Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.plan.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
 # resources hold `mpi`). The trainer works in params.workdir (not a declared output, so
 # Snakemake never deletes it after a crash) and resumes from its latest checkpoint there; the
@@ -37,7 +38,7 @@ with redirect_to_log(snakemake.log[0]):
                 snakemake.input.plan,
                 Path(config["results_dir"]) / "logs" / "extract" / fp / "stream.log",
             )
-        run = launch.Launch.for_job(
+        run = launch_for_job(
             config["draft"],
             config["extract"],
             srun=bool(snakemake.resources.get("mpi")),
@@ -46,7 +47,7 @@ with redirect_to_log(snakemake.log[0]):
         cfg, overrides = launch.train_settings(
             config["draft"], config["data"]["heldout_modulus"], run.device
         )
-        launch.preflight(
+        preflight(
             shards,
             snakemake.params.target,
             load_vocab(snakemake.input.vocab),
