@@ -7,7 +7,7 @@ training worker, every held-out sample validated every `--eval-every` steps):
 
   in_rank     the trainer as it is: the held-out loader has no workers
   persistent  the held-out loader with `num_workers` persistent workers (the code before the
-              fix), put back by wrapping `eagleflow.draft.train.data_loader`
+              fix), put back by wrapping `eagleflow.train.train.data_loader`
 
 Per run: `validation_seconds` (summary.json: every validation's time, the held-out reads and
 forwards), the validations run, `data_wait_share` (the training loader's wait over step
@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from torch.utils.data import DataLoader  # noqa: E402
 from train_throughput import build_embedded  # noqa: E402
 
-import eagleflow.draft.train as trainer  # noqa: E402
-from eagleflow.draft.data import HeldoutSampler  # noqa: E402
-from eagleflow.draft.settings import TrainConfig  # noqa: E402
+import eagleflow.train.train as trainer  # noqa: E402
 from eagleflow.draft.vocab import load_vocab  # noqa: E402
+from eagleflow.plan.settings import TrainConfig  # noqa: E402
+from eagleflow.train.data import HeldoutSampler  # noqa: E402
 
 RECIPE = dict(
     max_tokens=256,

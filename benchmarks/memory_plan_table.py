@@ -1,6 +1,6 @@
 """The draft memory plan's table for Kimi-K2.5 (or any target's config.json), as markdown.
 
-A calculation (`eagleflow.draft.memory_plan`), not a GPU measurement. docs/draft-memory.md
+A calculation (`eagleflow.train.memory_plan`), not a GPU measurement. docs/draft-memory.md
 holds its output; regenerate it with
 
     python benchmarks/memory_plan_table.py > /tmp/table.md
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from eagleflow.draft.memory_plan import GB, Workload, draft_config_for, plan_memory  # noqa: E402
+from eagleflow.train.memory_plan import GB, Workload, draft_config_for, plan_memory  # noqa: E402
 
 # Kimi-K2.5's text model as its config.json publishes it (`text_config`), the fields a draft
 # is sized from.

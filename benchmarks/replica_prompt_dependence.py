@@ -44,8 +44,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from eagleflow.data.conversations import read_conversations  # noqa: E402
 from eagleflow.data.heldout import split  # noqa: E402
-from eagleflow.draft.acceptance import distinct_replies  # noqa: E402
-from eagleflow.draft.spec_decode_check import Speculation  # noqa: E402
 from eagleflow.embedded import tiny_kimi  # noqa: E402
 from eagleflow.embedded.bundled_data import bundled_rows, write_jsonl  # noqa: E402
 from eagleflow.embedded.tiny_target import build_tiny_target, corpus_texts  # noqa: E402
@@ -54,6 +52,8 @@ from eagleflow.embedded.train_target import (  # noqa: E402
     first_reply_loss,
     train_target,
 )
+from eagleflow.evaluate.acceptance import distinct_replies  # noqa: E402
+from eagleflow.evaluate.spec_decode_check import Speculation  # noqa: E402
 from eagleflow.target.load import load_tokenizer  # noqa: E402
 
 

@@ -2,10 +2,10 @@
 
 Both arms train an EAGLE-3 draft on the same extracted shards, with the same draft shape and
 draft vocabulary and the same token budget, are exported in the speculators format and are
-evaluated through the `evaluate` rule's vLLM path (`eagleflow.draft.acceptance.run_vllm`:
+evaluated through the `evaluate` rule's vLLM path (`eagleflow.evaluate.acceptance.run_vllm`:
 vLLM eagle3, k = `evaluate.speculative_tokens`, the same held-out prompts for every run):
 
-  ours         `eagleflow.draft.train.train` with the workflow's `draft:` settings (one process,
+  ours         `eagleflow.train.train.train` with the workflow's `draft:` settings (one process,
                as `train_draft` runs it at one rank), exported by `export_draft` from `best/`.
   speculators  speculators 0.9.0: `Eagle3DraftModel.from_training_args` and its `Trainer`, fed
                by its own `create_train_val_loaders` (`ArrowDataset`, `shift_batch`, multipack
@@ -104,9 +104,9 @@ import yaml  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from eagleflow.data.heldout import excluder  # noqa: E402
-from eagleflow.draft.data import PackDataset, read_layout, sample_table, shard_paths  # noqa: E402
 from eagleflow.store.quant import dequantize  # noqa: E402
 from eagleflow.target.head import read_target_config  # noqa: E402
+from eagleflow.train.data import PackDataset, read_layout, sample_table, shard_paths  # noqa: E402
 
 ARMS = ("ours", "speculators")
 EMBEDDED_TARGET = "resources/targets/tiny-deepseek-v3-trained"  # a finished run's files
@@ -223,9 +223,9 @@ def convert(shards, target, out: Path, max_sample_tokens: int, heldout_modulus: 
 
 def train_ours(shards, target, vocab_path, cfg, overrides, out: Path) -> dict:
     """Our trainer as `train_draft` runs it at one rank, then `export_draft` of `best/`."""
-    from eagleflow.draft.export import export_draft
-    from eagleflow.draft.train import load_trained, train
     from eagleflow.draft.vocab import load_vocab
+    from eagleflow.export.export import export_draft
+    from eagleflow.train.train import load_trained, train
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
@@ -287,9 +287,9 @@ def train_speculators(conv: Converted, target, vocab_path, cfg, draft, out: Path
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.trainer import Trainer, TrainerConfig
 
-    from eagleflow.draft.export import transformer_layer_config
     from eagleflow.draft.model import Eagle3Draft
     from eagleflow.draft.vocab import load_vocab
+    from eagleflow.export.export import transformer_layer_config
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -394,8 +394,8 @@ def train_speculators(conv: Converted, target, vocab_path, cfg, draft, out: Path
 
 def evaluate_export(export: str, engine, prompts, ev, workdir: Path) -> dict:
     """The `evaluate` rule's vLLM eagle3 path on `prompts`."""
-    from eagleflow.draft.acceptance import per_prompt_summary, run_vllm
-    from eagleflow.draft.spec_decode_check import Speculation
+    from eagleflow.evaluate.acceptance import per_prompt_summary, run_vllm
+    from eagleflow.evaluate.spec_decode_check import Speculation
 
     result = run_vllm(engine, Speculation("eagle3", ev.k, export), prompts, ev.max_tokens, workdir)
     if "error" in result:
@@ -453,9 +453,9 @@ class RunSetup:
     @classmethod
     def read(cls, args) -> RunSetup:
         """From `--configfile`, `--shards`, `--vocab`, `--target` and `--dataset`."""
-        from eagleflow.draft.acceptance import EvalSettings, load_prompts
-        from eagleflow.draft.launch import train_settings
         from eagleflow.engine.settings import EngineSettings
+        from eagleflow.evaluate.acceptance import EvalSettings, load_prompts
+        from eagleflow.plan.launch import train_settings
 
         config = workflow_config(args.configfile)
         modulus = config["data"]["heldout_modulus"]

@@ -1,9 +1,9 @@
-"""The evaluation's summary figures (eagleflow.draft.acceptance): acceptance length when
+"""The evaluation's summary figures (eagleflow.evaluate.acceptance): acceptance length when
 nothing was proposed, the interval over prompts, distinct replies, and the plot."""
 
 import pytest
 
-from eagleflow.draft.acceptance import (
+from eagleflow.evaluate.acceptance import (
     al_interval,
     distinct_replies,
     per_prompt_summary,
@@ -69,7 +69,7 @@ def test_plot_draws_a_path_that_proposed_nothing(tmp_path, monkeypatch):
 
 
 def test_counter_difference_gives_one_prompts_counters():
-    from eagleflow.draft.spec_decode_check import counter_difference
+    from eagleflow.evaluate.spec_decode_check import counter_difference
 
     before = {"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1, 0]}
     after = {"num_drafts": 5, "num_accepted_tokens": 4, "num_accepted_tokens_per_pos": [3, 2, 1]}

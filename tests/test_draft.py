@@ -16,10 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleflow.draft.data import PackDataset, read_layout, sample_table
-from eagleflow.draft.export import export_draft
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
-from eagleflow.draft.train import TrainConfig, load_trained, train
 from eagleflow.draft.vocab import (
     build_draft_vocab,
     coverage,
@@ -27,7 +24,10 @@ from eagleflow.draft.vocab import (
     save_vocab,
     vocab_from_counts,
 )
+from eagleflow.export.export import export_draft
 from eagleflow.store.quant import FP8
+from eagleflow.train.data import PackDataset, read_layout, sample_table
+from eagleflow.train.train import TrainConfig, load_trained, train
 from support.draft_fixtures import SPECULATORS_NAMES, TINY_DRAFT, H, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,8 +312,8 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
 def test_a_draft_over_the_whole_target_vocabulary_exports_no_id_maps(tiny):
     """draft.vocab_size at (or above) the target's: vLLM builds no draft_id_to_target_id and
     refuses a d2t in the file, so none is written (the ids are the target's, in order)."""
-    from eagleflow.draft.export import export_tensors
-    from eagleflow.draft.train import build_draft
+    from eagleflow.export.export import export_tensors
+    from eagleflow.train.train import build_draft
 
     target, shards = tiny
     draft = build_draft(target, build_draft_vocab(shards, V, V), 3, 0, "random", **TINY_DRAFT)
@@ -489,9 +489,9 @@ def test_stream_run_writes_no_state_and_trains_the_stored_batches(
     import re
     from dataclasses import replace
 
-    from eagleflow.draft.data import PackPlan, layout_of
-    from eagleflow.draft.states import ServedStates, StreamSource
     from eagleflow.serve.client import stop_server
+    from eagleflow.train.data import PackPlan, layout_of
+    from eagleflow.train.states import ServedStates, StreamSource
     from support.workflow_runner import (
         SMALL,
         copy_workdir,
@@ -554,7 +554,7 @@ def test_stream_run_writes_no_state_and_trains_the_stored_batches(
 
 
 def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
-    from eagleflow.draft.acceptance import greedy_agreement
+    from eagleflow.evaluate.acceptance import greedy_agreement
 
     ref = [[5, 6, 7, 2], [8, 9, 2], [4, 2]]
     assert greedy_agreement(ref, ref) == {"identical_prompts": 1.0, "tokens_before_divergence": 1.0}
@@ -571,7 +571,7 @@ def perturbed_export(tiny, out, norm_before_residual, seed, **arch):
     """An exported draft with a pruned vocabulary and non-trivial weights everywhere (norms
     included), so every placement (hidden_norm, residual, fc order, d2t) shows; `arch`:
     DraftConfig options (fc_norm, norm_output)."""
-    from eagleflow.draft.train import build_draft
+    from eagleflow.train.train import build_draft
 
     target, shards = tiny
     vocab = build_draft_vocab(shards, V, 48)
@@ -685,8 +685,8 @@ def test_heldout_split_is_by_content_hash_and_stable():
 
 def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
     from eagleflow.data.heldout import excluder
-    from eagleflow.draft.data import shard_metadata
     from eagleflow.draft.vocab import count_masked_tokens
+    from eagleflow.train.data import shard_metadata
 
     _, shards = tiny
     exclude = excluder(4)
@@ -705,7 +705,7 @@ def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
                 seg = slice(offsets[i], offsets[i + 1])
                 expected += torch.bincount(ids[seg][mask[seg]], minlength=V)
     assert held_rows and train_rows
-    from eagleflow.draft.data import HeldoutSampler, PackPlan
+    from eagleflow.train.data import HeldoutSampler, PackPlan
 
     table = sample_table(shards, exclude)
     plan = PackPlan(table, 40, 1, seed=0)
@@ -727,7 +727,7 @@ def test_heldout_samples_are_in_no_pack_and_not_in_the_vocabulary(tiny):
 def test_reference_loop_counts_like_vllm(monkeypatch):
     """Counters of the reference loop: a target whose greedy next token is last+1, a draft
     proposing last+1, last+2 and a wrong third token: every draft run accepts exactly 2."""
-    import eagleflow.draft.acceptance as acc
+    import eagleflow.evaluate.acceptance as acc
 
     def target(ids):
         return torch.tensor([(t + 1) % 1000 for t in ids]), torch.zeros(len(ids), 4)
@@ -754,7 +754,7 @@ def test_reference_loop_counts_like_vllm(monkeypatch):
 
 def test_propose_and_load_export_round_trip(tiny, tmp_path):
     """The exported draft reloads as the same model; proposals are its greedy TTT tokens."""
-    from eagleflow.draft.acceptance import load_export, plot, propose, summarize
+    from eagleflow.evaluate.acceptance import load_export, plot, propose, summarize
 
     draft, vocab = perturbed_export(tiny, tmp_path / "export", True, seed=3)
     back, cfg = load_export(tmp_path / "export")

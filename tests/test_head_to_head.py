@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from eagleflow.draft.data import ShardLayout
 from eagleflow.store.quant import dequantize, quantize
+from eagleflow.train.data import ShardLayout
 from support.workflow_runner import REPO
 
 

@@ -20,6 +20,10 @@ ORDER = [
     "regenerate",
     "extract",
     "draft",
+    "plan",
+    "train",
+    "export",
+    "evaluate",
     "embedded",
 ]
 
@@ -97,4 +101,31 @@ def test_test_modules_do_not_import_each_other():
         for module in sorted(imported_modules(path))
         if module.split(".")[0] in test_modules
     ]
+    assert not wrong, "\n".join(wrong)
+
+
+# Planning runs where the workflow does (Snakemake's process, a login node): no torch there.
+TORCH_FREE = ["plan"]
+
+
+def test_planning_imports_no_torch():
+    """No module of a torch-free stage imports torch, itself or through the eagleflow modules it
+    imports (lazy imports included)."""
+    graph = module_imports()
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    wrong = []
+    for start in sorted(m for m in graph if stage(m) in TORCH_FREE):
+        seen, todo = set(), [[start]]
+        while todo:
+            route = todo.pop()
+            module = route[-1]
+            if module in seen or module not in graph:
+                continue
+            seen.add(module)
+            if any(m.split(".")[0] == "torch" for m in imported_modules(paths[module])):
+                wrong.append(" -> ".join(route) + " -> torch")
+            todo.extend(route + [m] for m in sorted(graph[module]))
     assert not wrong, "\n".join(wrong)

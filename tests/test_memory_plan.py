@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagleflow.draft.memory_plan import (
+from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.train.memory_plan import (
     GB,
     MemoryPlanError,
     Workload,
@@ -18,7 +19,6 @@ from eagleflow.draft.memory_plan import (
     draft_config_for,
     plan_memory,
 )
-from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from support.target_configs import KIMI_K25
 
 H, V, DV = 64, 128, 96

@@ -517,7 +517,7 @@ def test_the_shard_rule_counts_or_refuses_fields_its_template_ignores(tmp_path):
 def test_chat_template_kwargs_reach_regeneration_evaluation_and_the_fingerprints(
     tokenizer, tmp_path
 ):
-    from eagleflow.draft.acceptance import load_prompts
+    from eagleflow.evaluate.acceptance import load_prompts
     from eagleflow.extract.fingerprint import extraction_fingerprint
     from eagleflow.regenerate.replies import chat_renderer
     from eagleflow.regenerate.sources import regeneration_identity

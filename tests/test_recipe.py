@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from eagleflow.draft.data import ShardLayout, build_batch
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
-from eagleflow.draft.settings import TrainConfig
-from eagleflow.draft.train import add_noise, train, ttt_loss
 from eagleflow.draft.vocab import build_draft_vocab
+from eagleflow.plan.settings import TrainConfig
+from eagleflow.train.data import ShardLayout, build_batch
+from eagleflow.train.train import add_noise, train, ttt_loss
 from support.draft_fixtures import TINY_DRAFT, H, write_shard, write_target
 
 LAYOUT = ShardLayout(paths=[], layer_ids=[1, 2, 3], final_id=3, aux_ids=[1, 2])
@@ -89,8 +89,8 @@ def test_eagle31_options_are_exported_and_trained(tmp_path):
     train, and reach the export's config and weights."""
     from safetensors import safe_open
 
-    from eagleflow.draft.export import export_draft
-    from eagleflow.draft.train import load_trained
+    from eagleflow.export.export import export_draft
+    from eagleflow.train.train import load_trained
 
     cfg = DraftConfig(
         hidden_size=H,

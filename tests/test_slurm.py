@@ -301,7 +301,7 @@ def test_rerun_submits_nothing(runs):
 def test_train_draft_runs_as_one_job_with_a_task_per_rank(runs, profile_home):
     """`draft: {processes_per_node: 2}` on the CPU: train_draft is one SLURM job of 2 tasks
     (`--ntasks-per-node=2`, one CPU each, no GPU), its script starts the ranks as the tasks of
-    one srun step (eagleflow.draft.launch), and they train with FSDP on gloo."""
+    one srun step (eagleflow.plan.launch), and they train with FSDP on gloo."""
     workdir = runs["workdir"]
     fp = hidden_dir(workdir).name
     config = merged(

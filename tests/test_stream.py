@@ -21,16 +21,16 @@ from torch.utils.data import DataLoader
 from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.data.shards import build_shards, write_token_shard
 from eagleflow.data.templating import Tokenized
-from eagleflow.draft.data import PackDataset, PackPlan, layout_of, read_layout, sample_table
-from eagleflow.draft.settings import TrainConfig
-from eagleflow.draft.states import ServedStates, StreamedStatesInvalid, StreamSource, check_sample
-from eagleflow.draft.train import load_trained, train
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.plan.settings import TrainConfig
 from eagleflow.serve.client import ServerSpec, alive, registry_dir, stop_server
 from eagleflow.store.quant import FP8
 from eagleflow.store.shardfile import plan_shard_file, prepare
 from eagleflow.store.state_cache import StateCache, sample_index
+from eagleflow.train.data import PackDataset, PackPlan, layout_of, read_layout, sample_table
+from eagleflow.train.states import ServedStates, StreamedStatesInvalid, StreamSource, check_sample
+from eagleflow.train.train import load_trained, train
 from support.draft_fixtures import TINY_DRAFT, H, L, V, write_target
 from support.fake_capture_server import fake_states
 from support.workflow_runner import REPO

@@ -1,4 +1,4 @@
-"""What each draft.states mode costs, stated before anything runs (eagleflow.draft.stream_cost):
+"""What each draft.states mode costs, stated before anything runs (eagleflow.plan.stream_cost):
 bytes of states on disk, target prefill-hours per epoch and in all, the training rate when the
 engine is slower than the trainer; in `snakemake progress` and validate_env."""
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from eagleflow.draft.stream_cost import StatesCost
+from eagleflow.plan.stream_cost import StatesCost
 
 BPT = 4 * 7168 * 2  # 4 layers of a hidden size 7168, bf16
 FIGURES = dict(
@@ -123,9 +123,9 @@ def test_validate_env_states_the_cost_and_checks_only_the_bytes_the_mode_writes(
     import yaml
     from snakemake.utils import validate as validate_schema
 
-    from eagleflow.draft.resources import TrainingTokens
-    from eagleflow.draft.stream_cost import states_cost_of_config
     from eagleflow.extract.preflight import validate
+    from eagleflow.plan.resources import TrainingTokens
+    from eagleflow.plan.stream_cost import states_cost_of_config
     from support.workflow_runner import REPO
 
     cfg = yaml.safe_load((REPO / "config/examples/deepseek-v3-tp8.yaml").read_text())

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from eagleflow.data.heldout import excluder
-from eagleflow.draft.data import PackPlan, RankSampler, read_layout, sample_table
-from eagleflow.draft.train import TrainConfig, load_trained, train
 from eagleflow.draft.vocab import build_draft_vocab, save_vocab
 from eagleflow.store.quant import FP8
+from eagleflow.train.data import PackPlan, RankSampler, read_layout, sample_table
+from eagleflow.train.train import TrainConfig, load_trained, train
 from support import split_pack
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
 
@@ -61,9 +61,9 @@ def run_here(data, out, stop_after=None, **changes):
 
 
 def torchrun_command(data, out, nproc, stop_after=None, **changes):
-    """`torchrun --nproc_per_node N -m eagleflow.draft.train ...`; N = 0: the CLI alone."""
+    """`torchrun --nproc_per_node N -m eagleflow.train.train ...`; N = 0: the CLI alone."""
     target, shards, _ = data
-    cmd = [sys.executable, "-m", "eagleflow.draft.train"]
+    cmd = [sys.executable, "-m", "eagleflow.train.train"]
     if nproc:
         cmd[2:2] = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
     cmd += ["--shards", *map(str, shards), "--target", str(target)]
@@ -221,7 +221,7 @@ def test_a_frozen_target_lm_head_trains_alike_on_one_and_two_ranks_and_stays_the
 def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_path):
     """draft.optimizer: muon. Under FSDP each rank holds rows of a matrix; Muon's update is the
     whole matrix's (DTensor ops), so two ranks take one rank's steps. AdamW takes others."""
-    from eagleflow.draft.optimizer import build_optimizers, muon_split
+    from eagleflow.train.optimizer import build_optimizers, muon_split
 
     run_here(data, tmp_path / "adamw")
     draft, _ = load_trained(tmp_path / "adamw")
@@ -397,7 +397,7 @@ def test_a_stalled_data_worker_fails_the_rank_by_name_with_every_stack(tmp_path)
 
 
 def test_the_stall_limit_grows_with_the_slowest_step_above_its_floor():
-    from eagleflow.draft.watchdog import STALL_FLOOR_S, STALL_STEP_FACTOR, Watchdog
+    from eagleflow.train.watchdog import STALL_FLOOR_S, STALL_STEP_FACTOR, Watchdog
 
     auto, fixed = Watchdog(0), Watchdog(0, timeout_s=5)
     try:

@@ -1,5 +1,5 @@
-"""How the workflow launches the draft trainer and sizes its job (eagleflow.draft.launch,
-eagleflow.draft.resources, eagleflow.draft.progress): the command for 1 rank, torchrun on one
+"""How the workflow launches the draft trainer and sizes its job (eagleflow.plan.launch,
+eagleflow.plan.resources, eagleflow.plan.progress): the command for 1 rank, torchrun on one
 machine and srun tasks on SLURM; the sbatch options the pinned SLURM plugin makes of the
 job's resources; the time limit from the tokens to train and the rate; the progress report.
 Pure functions: no rank is started (tests/test_train_distributed.py starts them)."""
@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from eagleflow.data.heldout import excluder, is_heldout
-from eagleflow.draft import launch
-from eagleflow.draft.progress import format_training_progress, training_progress
-from eagleflow.draft.resources import (
+from eagleflow.plan import launch
+from eagleflow.plan.progress import format_training_progress, training_progress
+from eagleflow.plan.resources import (
     TrainingTokens,
     TrainJob,
     evaluate_runtime_minutes,
@@ -23,7 +23,9 @@ from eagleflow.draft.resources import (
     read_progress,
     train_runtime_minutes,
 )
-from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.train.preflight import launch_for_job, preflight
+from eagleflow.train.rank import rank_env
 
 CPU = {"device": "cpu", "tensor_parallel_size": 1}
 GPU_NODE = {"device": "cuda", "tensor_parallel_size": 8, "pipeline_parallel_size": 1, "nodes": 1}
@@ -48,12 +50,12 @@ def test_processes_per_node_defaults_to_the_gpus_on_cuda_and_one_on_cpu():
 
 def test_one_rank_runs_the_trainer_as_a_plain_process():
     cmd = launch.command(launch.Launch(1, 1, "cpu", cpus_per_rank=2), ARGS, python="py")
-    assert cmd.argv == ["py", "-m", "eagleflow.draft.train", *ARGS]
+    assert cmd.argv == ["py", "-m", "eagleflow.train.train", *ARGS]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_ranks_on_this_machine_start_under_torchrun_standalone():
-    run = launch.Launch.for_job(
+    run = launch_for_job(
         {"processes_per_node": 2, "nodes": 1, "num_workers": 1}, CPU, srun=False, threads=4
     )
     assert (run.world_size, run.srun, run.cpus_per_rank) == (2, False, 2)
@@ -68,7 +70,7 @@ def test_ranks_on_this_machine_start_under_torchrun_standalone():
         "--nproc_per_node",
         "2",
         "-m",
-        "eagleflow.draft.train",
+        "eagleflow.train.train",
         *ARGS,
     ]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -76,7 +78,7 @@ def test_ranks_on_this_machine_start_under_torchrun_standalone():
 
 def test_slurm_ranks_are_srun_tasks_with_a_rendezvous_on_the_first_node():
     draft = {"processes_per_node": 8, "nodes": 2, "num_workers": 4, "cpus_per_rank": None}
-    run = launch.Launch.for_job(draft, GPU_NODE, srun=True, threads=64)
+    run = launch_for_job(draft, GPU_NODE, srun=True, threads=64)
     assert (run.world_size, run.cpus_per_rank, run.device) == (16, 8, "cuda")
     cmd = launch.command(run, ARGS, python="py", port=29511)
     assert cmd.argv == [
@@ -90,7 +92,7 @@ def test_slurm_ranks_are_srun_tasks_with_a_rendezvous_on_the_first_node():
         "--gres=gpu:8",
         "py",
         "-m",
-        "eagleflow.draft.launch",
+        "eagleflow.train.rank",
         *ARGS,
     ]
     assert cmd.env["MASTER_PORT"] == "29511" and cmd.env["MASTER_ADDR"] not in ("", "127.0.0.1")
@@ -109,14 +111,14 @@ def test_an_srun_task_gets_torch_rank_variables_from_slurms():
         "SLURM_NODEID": "1",
         "MASTER_ADDR": "node0",
     }
-    assert launch.rank_env(env) == {
+    assert rank_env(env) == {
         "RANK": "9",
         "WORLD_SIZE": "16",
         "LOCAL_RANK": "1",
         "GROUP_RANK": "1",
     }
     with pytest.raises(launch.LaunchError, match="SLURM_PROCID"):
-        launch.rank_env({"MASTER_ADDR": "x"})
+        rank_env({"MASTER_ADDR": "x"})
 
 
 def test_a_streaming_run_s_trainer_takes_the_gpus_its_engine_server_does_not():
@@ -138,7 +140,7 @@ def test_a_streaming_run_s_trainer_takes_the_gpus_its_engine_server_does_not():
 def test_streamed_states_refuse_sequence_splitting(tmp_path):
     cfg = TrainConfig(sequence_parallel=2, batch_packs=2)
     with pytest.raises(launch.LaunchError, match=r"sequence_parallel = 2 with streamed states"):
-        launch.preflight([], "t", None, cfg, {}, launch.Launch(1, 2, "cpu"), print, [1, 2])
+        preflight([], "t", None, cfg, {}, launch.Launch(1, 2, "cpu"), print, [1, 2])
 
 
 def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
@@ -157,7 +159,7 @@ def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
 
     if not torch.cuda.is_available():  # CUDA asked for on a machine without a GPU
         with pytest.raises(launch.LaunchError, match="set draft.device to cpu"):
-            launch.Launch.for_job({"device": "cuda"}, CPU, srun=False, threads=2)
+            launch_for_job({"device": "cuda"}, CPU, srun=False, threads=2)
 
 
 def test_train_settings_and_the_recipe_params(tmp_path):
@@ -299,8 +301,8 @@ def test_the_rate_is_the_checkpoints_measured_rate_per_rank(tmp_path):
 
 
 def test_host_memory_counts_every_rank_and_on_cpu_the_whole_plan():
-    from eagleflow.draft.memory_plan import Workload, plan_memory
     from eagleflow.draft.model import DraftConfig
+    from eagleflow.train.memory_plan import Workload, plan_memory
 
     cfg = DraftConfig(256, 1024, 4, 4, 64, 1024, 512, 3)
     gpu = plan_memory(cfg, Workload(8192, 3, 8, "cuda"))
@@ -373,8 +375,8 @@ def test_the_gpu_examples_train_on_every_gpu_of_one_node(example, gpus):
 def test_preflight_refuses_a_draft_that_cannot_fit_before_any_rank_starts(tmp_path):
     """The memory plan at the target's shape and the longest pack, at the launch's world size:
     one sentence naming the key, as the trainer's own check gives it."""
-    from eagleflow.draft.memory_plan import MemoryPlanError
     from eagleflow.draft.vocab import build_draft_vocab
+    from eagleflow.train.memory_plan import MemoryPlanError
     from support.draft_fixtures import TINY_DRAFT, V, write_shard, write_target
 
     target = write_target(tmp_path / "target")
@@ -382,11 +384,11 @@ def test_preflight_refuses_a_draft_that_cannot_fit_before_any_rank_starts(tmp_pa
     vocab = build_draft_vocab(shards, V, 48)
     run = launch.Launch(1, 2, "cpu")
     fits = TrainConfig(batch_packs=2, max_tokens=64, device="cpu")
-    plan = launch.preflight(shards, target, vocab, fits, TINY_DRAFT, run, print)
+    plan = preflight(shards, target, vocab, fits, TINY_DRAFT, run, print)
     assert plan.workload.world_size == 2 and plan.workload.max_tokens == 64
     tiny_device = TrainConfig(batch_packs=2, max_tokens=64, device="cpu", device_memory_gb=1e-6)
     with pytest.raises(MemoryPlanError, match=r"^Draft training needs .*draft\.") as e:
-        launch.preflight(shards, target, vocab, tiny_device, TINY_DRAFT, run, print)
+        preflight(shards, target, vocab, tiny_device, TINY_DRAFT, run, print)
     assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
     with pytest.raises(launch.LaunchError, match="draft.batch_packs = 3"):
-        launch.preflight(shards, target, vocab, TrainConfig(batch_packs=3), TINY_DRAFT, run, print)
+        preflight(shards, target, vocab, TrainConfig(batch_packs=3), TINY_DRAFT, run, print)

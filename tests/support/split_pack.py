@@ -9,10 +9,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from eagleflow.draft.data import ShardLayout, build_batch, slice_rows
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
-from eagleflow.draft.sequence_parallel import split_groups
-from eagleflow.draft.train import ttt_loss
+from eagleflow.train.data import ShardLayout, build_batch, slice_rows
+from eagleflow.train.sequence_parallel import split_groups
+from eagleflow.train.train import ttt_loss
 
 H, V, STEPS = 32, 40, 3
 LENGTHS = [150, 40, 1, 109, 300]  # 600 tokens: across slice and block boundaries

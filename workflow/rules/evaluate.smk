@@ -26,7 +26,7 @@ rule evaluate:
         CONDA_ENV
     # Its engine is an extract job's (TP x PP of extract, on extract.nodes nodes): the same
     # GPUs, CPUs and memory; a runtime from a target load per path and the greedy tokens
-    # (resources.smk, eagleflow.draft.resources).
+    # (resources.smk, eagleflow.plan.resources).
     threads: extract_threads
     resources:
         gpu=jobres.extract_gpu_resource(EXTRACT),

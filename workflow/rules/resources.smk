@@ -1,8 +1,8 @@
 # Cluster resources, read by snakemake-executor-plugin-slurm (docs/slurm.md);
 # on one machine only `threads` matters (and train_draft's `mpi`). The logic is in
-# eagleflow.extract.resources and eagleflow.draft.resources, the measured rates in
+# eagleflow.extract.resources and eagleflow.plan.resources, the measured rates in
 # eagleflow.extract.rates and the trainer's progress.json (as `snakemake progress` reads them).
-import eagleflow.draft.resources as trainres
+import eagleflow.plan.resources as trainres
 import eagleflow.extract.resources as jobres
 from eagleflow.extract.rates import extraction_timings, measure, regeneration_timings
 
@@ -103,7 +103,7 @@ REGENERATE_GROUP = "regenerate" if SHARDS_PER_ALLOCATION > 1 else None
 # Draft training (train.smk): draft.nodes x draft.processes_per_node ranks, asked for as SLURM
 # tasks with their GPUs and CPUs; memory from the draft's memory plan; a runtime from the
 # tokens to train at the rate this run measured (its progress.json), else
-# draft.tokens_per_second_per_rank (eagleflow.draft.resources, docs/slurm.md).
+# draft.tokens_per_second_per_rank (eagleflow.plan.resources, docs/slurm.md).
 DRAFT_SETTINGS = config["draft"]
 TRAIN_JOB = trainres.TrainJob.from_config(DRAFT_SETTINGS, EXTRACT)
 TRAIN_SLURM = TRAIN_JOB.slurm()
@@ -157,7 +157,7 @@ def train_runtime(wildcards, attempt):
 def train_memory_plan():
     """The draft's per-device memory plan at the target's shape and the longest pack (samples
     are at most data.max_length tokens), at the job's world size."""
-    from eagleflow.draft.memory_plan import Workload, draft_config_for, plan_memory
+    from eagleflow.train.memory_plan import Workload, draft_config_for, plan_memory
     from eagleflow.target.head import read_target_config
 
     target = read_target_config(TARGET)

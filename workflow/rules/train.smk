@@ -2,10 +2,10 @@
 # Inputs are every verified shard of extraction {fp}; outputs go under results/draft/{fp}/.
 # The trainer works in train.work/ (not an output, so a crashed or timed-out job's checkpoint
 # survives Snakemake's cleanup) and resumes from there when the checkpoint is this run's
-# (same seed, recipe, draft and shards; eagleflow.draft.train.training_recipe), at any world
+# (same seed, recipe, draft and shards; eagleflow.train.train.training_recipe), at any world
 # size; train/best/ is the draft with the best simulated acceptance length, what export reads.
 
-from eagleflow.draft.launch import recipe_settings
+from eagleflow.plan.launch import recipe_settings
 
 DRAFT = f"{R}/draft/{{fp}}"
 DRAFT_CFG = config["draft"]
@@ -57,9 +57,9 @@ rule train_draft:
     conda:
         CONDA_ENV
     # draft.nodes x draft.processes_per_node ranks: torchrun on this machine, or one srun task
-    # per rank in the job's SLURM allocation (eagleflow.draft.launch); the job asks for them,
+    # per rank in the job's SLURM allocation (eagleflow.plan.launch); the job asks for them,
     # their GPUs, CPUs and memory, and a runtime sized from the tokens to train and the rate
-    # (resources.smk, eagleflow.draft.resources, docs/slurm.md).
+    # (resources.smk, eagleflow.plan.resources, docs/slurm.md).
     threads: train_threads
     resources:
         nodes=TRAIN_SLURM["nodes"],

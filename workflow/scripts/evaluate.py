@@ -1,7 +1,7 @@
 import json
 
-from eagleflow.draft.acceptance import EvalSettings, evaluate
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.evaluate.acceptance import EvalSettings, evaluate
 from eagleflow.logs import redirect_to_log
 from eagleflow.serve.client import release_idle_servers, this_run
 

@@ -2,8 +2,6 @@ import json
 
 import pandas as pd
 
-from eagleflow.draft.progress import format_training_progress, training_progress
-from eagleflow.draft.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.extract.progress import (
     extraction_progress,
     format_progress,
@@ -11,6 +9,8 @@ from eagleflow.extract.progress import (
     regeneration_plan,
 )
 from eagleflow.logs import redirect_to_log
+from eagleflow.plan.progress import format_training_progress, training_progress
+from eagleflow.plan.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.store.quant import bytes_per_token
 
 parts = []

@@ -4,22 +4,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagleflow.draft import launch
-from eagleflow.draft.checkpoint import BEST
-from eagleflow.draft.memory_plan import MemoryPlanError
-from eagleflow.draft.states import StreamSource
-from eagleflow.draft.train import CURVES, METRICS, SUMMARY, VALIDATION
 from eagleflow.draft.vocab import load_vocab
 from eagleflow.logs import UserError, redirect_to_log
+from eagleflow.plan import launch
 from eagleflow.serve.client import stop_server
+from eagleflow.train.checkpoint import BEST
+from eagleflow.train.memory_plan import MemoryPlanError
+from eagleflow.train.preflight import launch_for_job, preflight
+from eagleflow.train.states import StreamSource
+from eagleflow.train.train import CURVES, METRICS, SUMMARY, VALIDATION
 
-# Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.draft.launch): with
+# Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.plan.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
 # resources hold `mpi`). The trainer works in params.workdir (not a declared output, so
 # Snakemake never deletes it after a crash) and resumes from its latest checkpoint there; the
 # outputs are copied at the end: `best` (the directory export reads), metrics, validation,
 # curves, summary. With draft.states stream or cached, `shards` are the token shards and the
-# states come from the shared capture server (eagleflow.draft.states), which this job asks
+# states come from the shared capture server (eagleflow.train.states), which this job asks
 # to stop once the trainer has finished, freeing its devices for the evaluate job.
 FILES = {"best": BEST, "metrics": METRICS, "validation": VALIDATION, "curves": CURVES}
 FILES["summary"] = SUMMARY
@@ -37,7 +38,7 @@ with redirect_to_log(snakemake.log[0]):
                 snakemake.input.plan,
                 Path(config["results_dir"]) / "logs" / "extract" / fp / "stream.log",
             )
-        run = launch.Launch.for_job(
+        run = launch_for_job(
             config["draft"],
             config["extract"],
             srun=bool(snakemake.resources.get("mpi")),
@@ -46,7 +47,7 @@ with redirect_to_log(snakemake.log[0]):
         cfg, overrides = launch.train_settings(
             config["draft"], config["data"]["heldout_modulus"], run.device
         )
-        launch.preflight(
+        preflight(
             shards,
             snakemake.params.target,
             load_vocab(snakemake.input.vocab),

@@ -4,10 +4,10 @@ import sys
 import pandas as pd
 
 from eagleflow.data.heldout import excluder
-from eagleflow.draft.resources import TrainingTokens
-from eagleflow.draft.stream_cost import states_cost_of_config
 from eagleflow.extract.preflight import validate
 from eagleflow.logs import redirect_to_log
+from eagleflow.plan.resources import TrainingTokens
+from eagleflow.plan.stream_cost import states_cost_of_config
 
 with redirect_to_log(snakemake.log[0]):
     config = snakemake.config

@@ -1,1 +1,1 @@
-"""The EAGLE-3 draft: vocabulary, model, data, training, export, acceptance."""
+"""The EAGLE-3 draft itself: vocabulary and model."""

@@ -490,7 +490,7 @@ class Eagle3Draft(nn.Module):
 
     def ttt_forward(self, aux, tokens, positions, doc, steps: int, split=None):
         """Unrolled draft over one packed sequence of N anchors, or over slice `split.part`
-        of it (n = N / split.parts anchors; `eagleflow.draft.sequence_parallel`).
+        of it (n = N / split.parts anchors; `eagleflow.train.sequence_parallel`).
 
         aux [n, n_aux*H] (aux states at anchor t); tokens [steps, n] (token read at step k,
         i.e. token t+1+k); positions [n] (position of token t+1); doc [N] sample index of

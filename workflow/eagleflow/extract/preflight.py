@@ -213,7 +213,7 @@ def validate(
     Returns (whether all passed, the report: versions and each check's name, ok and detail,
     then, when the target's config reads, the weight and output size estimates, the layout and
     `states_cost`: what the draft.states mode costs, from `states_cost(bytes per token)`, a
-    `eagleflow.draft.stream_cost.StatesCost`; None: stored, no cost lines). A target whose
+    `eagleflow.plan.stream_cost.StatesCost`; None: stored, no cost lines). A target whose
     config does not read ends the checks there."""
     versions = package_versions()
     checks = [_check_versions(versions)]

@@ -5,7 +5,7 @@ target_k is the target's own distribution at position t+1+k (its final norm and 
 applied to the stored final pre-norm state, restricted to the draft vocabulary) and draft_k
 the draft's after k unrolled steps (`Eagle3Draft.ttt_forward`).
 
-Data (`eagleflow.draft.data`): the training samples of all shards, packed by length into
+Data (`eagleflow.train.data`): the training samples of all shards, packed by length into
 packs of about `max_tokens`, reshuffled every epoch. One optimizer step trains one global
 batch of `batch_packs` packs, split over the ranks and each rank's micro-steps; its loss is
 the mean of the packs' losses, so 2 ranks x 1 pack and 1 rank x 2 packs take the same step.
@@ -19,7 +19,7 @@ rows over the draft vocabulary, bf16; its final norm) are outside FSDP, replicat
 optimizer state and no checkpoint: they are read again from the target. A single process (no
 torchrun) trains the plain module.
 
-Writes to `out_dir` (checkpoint layout: `eagleflow.draft.checkpoint`):
+Writes to `out_dir` (checkpoint layout: `eagleflow.train.checkpoint`):
   checkpoints/step-N/  the latest checkpoint: one DCP save of model, optimizer, progress
                        (step, tokens and samples trained, best evaluation) and rng, every
                        `save_every` steps and at the end
@@ -54,8 +54,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from eagleflow.data.heldout import excluder
-from eagleflow.draft import checkpoint
-from eagleflow.draft.data import (
+from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.vocab import DraftVocab
+from eagleflow.plan.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
+from eagleflow.store.locks import work_lock
+from eagleflow.target.head import (
+    EMBED,
+    LM_HEAD,
+    TargetHead,
+    read_target_config,
+    read_target_tensor,
+)
+from eagleflow.train import checkpoint
+from eagleflow.train.data import (
     HeldoutSampler,
     PackDataset,
     PackPlan,
@@ -66,22 +77,11 @@ from eagleflow.draft.data import (
     sample_table,
     shard_paths,
 )
-from eagleflow.draft.memory_plan import Workload, check_plan, device_memory, plan_memory
-from eagleflow.draft.model import DraftConfig, Eagle3Draft
-from eagleflow.draft.optimizer import build_optimizers, set_lr
-from eagleflow.draft.sequence_parallel import split_groups
-from eagleflow.draft.settings import EXTENT_KEYS, RUNTIME_KEYS, TrainConfig
-from eagleflow.draft.states import ServedStates, StreamSource
-from eagleflow.draft.vocab import DraftVocab
-from eagleflow.draft.watchdog import Watchdog
-from eagleflow.store.locks import work_lock
-from eagleflow.target.head import (
-    EMBED,
-    LM_HEAD,
-    TargetHead,
-    read_target_config,
-    read_target_tensor,
-)
+from eagleflow.train.memory_plan import Workload, check_plan, device_memory, plan_memory
+from eagleflow.train.optimizer import build_optimizers, set_lr
+from eagleflow.train.sequence_parallel import split_groups
+from eagleflow.train.states import ServedStates, StreamSource
+from eagleflow.train.watchdog import Watchdog
 
 METRICS, VALIDATION, CURVES = "metrics.csv", "validation.csv", "curves.png"
 SUMMARY, PROGRESS = "summary.json", "progress.json"
@@ -412,7 +412,7 @@ def full_weights(model) -> dict:
 
 def check_memory(draft_cfg, cfg: TrainConfig, pack_tokens: int, world: int, device, log):
     """Refuse, before the device is touched, a run whose largest pack (its slice per rank,
-    under sequence splitting) cannot fit (`eagleflow.draft.memory_plan`); the plan goes to
+    under sequence splitting) cannot fit (`eagleflow.train.memory_plan`); the plan goes to
     the log."""
     workload = Workload(pack_tokens, cfg.ttt_steps, world, device.type, cfg.sequence_parallel)
     plan = plan_memory(draft_cfg, workload, device_memory(cfg.device_memory_gb or None, device))
@@ -667,7 +667,7 @@ def _train(
 ) -> dict:
     """Train (or resume) and return the summary; `stop_after` ends early as a crash would
     (no checkpoint, no summary). `stream`: the states come from the capture server (and its
-    cache), `shards` are the token shards (`eagleflow.draft.states`)."""
+    cache), `shards` are the token shards (`eagleflow.train.states`)."""
     rank, world, device = init_distributed(cfg)
     if world % cfg.sequence_parallel:
         raise ValueError(
@@ -892,7 +892,7 @@ def load_trained(path, target_dir=None):
 
 
 def main(argv=None):
-    """CLI: one process, or `torchrun --nproc_per_node N -m eagleflow.draft.train ...`."""
+    """CLI: one process, or `torchrun --nproc_per_node N -m eagleflow.train.train ...`."""
     import argparse
 
     from eagleflow.draft.vocab import load_vocab

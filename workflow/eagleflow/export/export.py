@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagleflow.draft.data import layout_of, read_layout
 from eagleflow.draft.model import Eagle3Draft
 from eagleflow.target.head import read_target_config
+from eagleflow.train.data import layout_of, read_layout
 
 SPECULATORS_VERSION = "0.9.0"
 

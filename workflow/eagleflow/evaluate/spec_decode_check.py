@@ -1,6 +1,6 @@
 """Load target + exported EAGLE-3 draft in vLLM, generate, and report vLLM's spec-decode counters.
 
-Run as a subprocess (`python -m eagleflow.draft.spec_decode_check --engine E --draft D --out J`)
+Run as a subprocess (`python -m eagleflow.evaluate.spec_decode_check --engine E --draft D --out J`)
 so the engine's environment stays its own. On CPU the MLA target and a Llama-style draft clash
 on the KV block size (CPU_MLA wants 16, CPU_ATTN multiples of 32; field notes 11), so the
 evaluation's engine settings run the target's non-MLA attention path there (`mla: false`,

@@ -3,17 +3,17 @@ validate_env): bytes of hidden states on disk, target prefill-hours per epoch an
 and the rate training can go at when the capture engine prefills slower than the trainer
 trains. Torch-free arithmetic on figures the caller reads:
 
-- tokens: the token manifest's, as extraction and `eagleflow.draft.resources` count them;
+- tokens: the token manifest's, as extraction and `eagleflow.plan.resources` count them;
 - bytes per token: `eagleflow.store.quant.bytes_per_token` of the capture plan's layers;
 - the engine's prefill rate: what finished extract jobs measured (`eagleflow.extract.rates`),
   else `extract.tokens_per_second`: the figure extraction's estimates use;
 - the trainer's rate: loss-masked tokens per second over all ranks, measured by the trainer's
-  checkpoints, else `draft.tokens_per_second_per_rank` x ranks (`eagleflow.draft.resources`).
+  checkpoints, else `draft.tokens_per_second_per_rank` x ranks (`eagleflow.plan.resources`).
 
 The engine prefills every token of a sample, the trainer counts the loss-masked ones, so the
 engine's rate is compared in the trainer's unit (x loss-masked tokens / tokens). In the
 streamed modes prefill and training overlap (the DataLoader's prefetch,
-`eagleflow.draft.states`), so the slower of the two sets the pace; cached reads are taken as
+`eagleflow.train.states`), so the slower of the two sets the pace; cached reads are taken as
 free. The held-out samples prefilled again at every validation are not counted.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-MODES = ("stored", "stream", "cached")  # eagleflow.draft.states.MODES (which imports torch)
+MODES = ("stored", "stream", "cached")  # eagleflow.train.states.MODES (which imports torch)
 ENGINE_ASSUMED = "extract.tokens_per_second"
 TRAINER_ASSUMED = "draft.tokens_per_second_per_rank"
 
@@ -265,8 +265,8 @@ def states_cost_of_config(config: dict, total_tokens: int, per_token: int, train
     """validate_env's cost of the configured mode at the configured rates:
     `extract.tokens_per_second` (no extract job has measured one yet) and
     `draft.tokens_per_second_per_rank` x the train job's ranks; `training`: an epoch's
-    `eagleflow.draft.resources.TrainingTokens` (None: every token, each loss-masked)."""
-    from eagleflow.draft.resources import TrainingTokens, TrainJob
+    `eagleflow.plan.resources.TrainingTokens` (None: every token, each loss-masked)."""
+    from eagleflow.plan.resources import TrainingTokens, TrainJob
 
     draft = config["draft"]
     epoch = training or TrainingTokens(0, total_tokens, total_tokens)

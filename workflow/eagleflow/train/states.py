@@ -1,6 +1,6 @@
 """Where the trainer's states come from (`draft.states`, docs/streaming.md).
 
-- `stored`: the extracted shards on disk (`eagleflow.draft.data.PackDataset.read`).
+- `stored`: the extracted shards on disk (`eagleflow.train.data.PackDataset.read`).
 - `stream`: nothing on disk. Each pack's samples are prefilled by the capture engine server
   (the extract jobs' server kind, plan and fingerprint: `eagleflow.extract.stream`) when a
   DataLoader worker asks for the pack; every epoch prefills again. The packs, their order and

@@ -2,7 +2,7 @@
 (the token manifest's training samples), the step the trainer's latest checkpoint reached
 (`progress.json` in its work directory, written at every checkpoint) and the time left at the
 rate those checkpoints measured, else `draft.tokens_per_second_per_rank`: the rate and token
-count train_draft's SLURM time limit uses (`eagleflow.draft.resources`). Reads small files;
+count train_draft's SLURM time limit uses (`eagleflow.plan.resources`). Reads small files;
 loads no model and no torch."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagleflow.data.heldout import excluder
-from eagleflow.draft.resources import TrainingTokens, measured_rate_per_rank, read_progress
+from eagleflow.plan.resources import TrainingTokens, measured_rate_per_rank, read_progress
 
 
 def training_progress(manifest, work_dir, draft: dict, ranks: int, heldout_modulus: int) -> dict:

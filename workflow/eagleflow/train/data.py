@@ -17,7 +17,7 @@ sequences of about `max_tokens`, read by `DataLoader` workers.
 - `PackDataset`: item = one pack, read with `safe_open(...).get_slice(...)` on the
   memory-mapped shards (only the pack's rows). States stay as stored: bf16, or fp8 codes
   plus their scales, which cross to the device as they are and are dequantized there
-  (`Batch.values`). Under sequence splitting (`eagleflow.draft.sequence_parallel`) the
+  (`Batch.values`). Under sequence splitting (`eagleflow.train.sequence_parallel`) the
   dataset of slice `part` of `parts` reads only its slice's states (and the `ttt_steps`
   rows after it, whose final states are its targets); the samplers then count the ranks
   of one pack as one.
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from eagleflow.draft.sequence_parallel import slice_length
 from eagleflow.store.quant import SCALES_KEY, dequantize
 from eagleflow.target.layers import CONVENTION
+from eagleflow.train.sequence_parallel import slice_length
 
 FP8_DTYPE = "F8_E4M3"
 OPEN_PACKS = 8  # first fit over this many open packs: dense packs, the shuffled order kept
@@ -413,7 +413,7 @@ class PackDataset(Dataset):
     """Item = a pack (a tuple of sample indices of `table`) -> `Batch` of slice `part` of
     `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
     every rank runs the same forwards. `served`: the states of `draft.states: stream | cached`
-    (`eagleflow.draft.states.ServedStates`, the layout's paths then the token shards); None:
+    (`eagleflow.train.states.ServedStates`, the layout's paths then the token shards); None:
     the stored shards."""
 
     def __init__(

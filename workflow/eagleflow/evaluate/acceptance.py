@@ -5,7 +5,7 @@ Three measurements on the same prompts (chat template applied, greedy, same max 
 - `vllm_eagle3`: target + exported draft in vLLM (`speculative_config` method `eagle3`),
   counters from vLLM's own metrics (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`,
   `_num_accepted_tokens`, `_num_accepted_tokens_per_pos`), run in a subprocess
-  (`eagleflow.draft.spec_decode_check`).
+  (`eagleflow.evaluate.spec_decode_check`).
 - `vllm_ngram`: the same prompts with vLLM's n-gram (prompt lookup) speculation, the baseline.
 - `reference`: a faithful plain-torch loop, no vLLM: transformers' target gives greedy tokens
   and the aux hidden states (HF `hidden_states[k]` = input of layer k = vLLM id k); the
@@ -38,8 +38,8 @@ import torch
 
 from eagleflow.data.conversations import read_conversations
 from eagleflow.data.heldout import HELDOUT_MODULUS, heldout_prompts
-from eagleflow.draft.spec_decode_check import Speculation, engine_argument
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.evaluate.spec_decode_check import Speculation, engine_argument
 
 
 def load_prompts(
@@ -280,7 +280,8 @@ def run_vllm(
     workdir=None,
     log=None,
 ) -> dict:
-    """`eagleflow.draft.spec_decode_check` in a subprocess; returns its JSON or {"error": ...}."""
+    """`eagleflow.evaluate.spec_decode_check` in a subprocess; returns its JSON or
+    {"error": ...}."""
     import tempfile
 
     if workdir is None:  # a private folder of its own, removed afterwards
@@ -295,7 +296,7 @@ def run_vllm(
     cmd = [
         sys.executable,
         "-m",
-        "eagleflow.draft.spec_decode_check",
+        "eagleflow.evaluate.spec_decode_check",
         "--method",
         method,
         "--engine",

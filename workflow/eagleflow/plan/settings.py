@@ -1,5 +1,5 @@
 """The draft trainer's settings (`draft.*` in the workflow config), torch-free: the workflow
-reads them while it plans (`eagleflow.draft.resources`, `eagleflow.draft.launch`)."""
+reads them while it plans (`eagleflow.plan.resources`, `eagleflow.plan.launch`)."""
 
 from __future__ import annotations
 

@@ -1,43 +1,42 @@
 """How the workflow starts the draft trainer: `draft.nodes` x `draft.processes_per_node` ranks.
 
-    one rank          python -m eagleflow.draft.train ARGS                (a plain process)
+    one rank          python -m eagleflow.train.train ARGS                (a plain process)
     one node, here    python -m torch.distributed.run --standalone --nnodes 1
-                          --nproc_per_node P -m eagleflow.draft.train ARGS
+                          --nproc_per_node P -m eagleflow.train.train ARGS
     SLURM             srun --kill-on-bad-exit=1 --nodes=N --ntasks=N*P --ntasks-per-node=P
                           --cpus-per-task=C --mem=0 [--gres=gpu:P]
-                          python -m eagleflow.draft.launch ARGS
+                          python -m eagleflow.train.rank ARGS
 
 On SLURM every rank is a task of one `srun` step, without torchrun (the pattern of SLURM's MPI
 launches and of Lightning's SLURM support; torchtitan's multi-node script runs `srun torchrun`
-per node instead, which adds a second supervisor and a c10d rendezvous): `rank_env` below turns the
-task's `SLURM_PROCID`, `SLURM_NTASKS` and `SLURM_LOCALID` into torch's `RANK`, `WORLD_SIZE` and
-`LOCAL_RANK`, and the rendezvous is the `MASTER_ADDR:MASTER_PORT` the launcher picked on the
-allocation's first node, where rank 0 runs (block distribution). SLURM starts, watches and
-ends the ranks: `--kill-on-bad-exit` ends the step when one rank fails, and srun names the
-task that did. Each task sees every GPU of its node and takes `cuda:LOCAL_RANK`.
+per node instead, which adds a second supervisor and a c10d rendezvous):
+`eagleflow.train.rank.rank_env` turns the task's `SLURM_PROCID`, `SLURM_NTASKS` and
+`SLURM_LOCALID` into torch's `RANK`, `WORLD_SIZE` and `LOCAL_RANK`, and the rendezvous is the
+`MASTER_ADDR:MASTER_PORT` the launcher picked on the allocation's first node, where rank 0 runs
+(block distribution). SLURM starts, watches and ends the ranks: `--kill-on-bad-exit` ends the
+step when one rank fails, and srun names the task that did. Each task sees every GPU of its node
+and takes `cuda:LOCAL_RANK`.
 
-The job (train_draft's resources, `eagleflow.draft.resources`) is submitted with those tasks; the
+The job (train_draft's resources, `eagleflow.plan.resources`) is submitted with those tasks; the
 job step that runs the script itself is the allocation's batch step (the `mpi` resource keeps
 the jobstep plugin from wrapping it in an `srun` of its own), so the ranks' `srun` is the only
-step. `preflight` refuses, in one sentence naming the key, a run that cannot start: more nodes
-than one outside SLURM, a global batch the ranks cannot share, a draft that does not fit a
-device (`eagleflow.draft.memory_plan`).
+step. `preflight` (`eagleflow.train.preflight`) refuses, in one sentence naming the key, a run
+that cannot start: more nodes than one outside SLURM, a global batch the ranks cannot share, a
+draft that does not fit a device (`eagleflow.train.memory_plan`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from eagleflow.draft.resources import TrainJob, processes_per_node
-from eagleflow.draft.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
 
-TRAINER = "eagleflow.draft.train"
-LAUNCHER = "eagleflow.draft.launch"  # this module: one srun task, one rank
+TRAINER = "eagleflow.train.train"
+LAUNCHER = "eagleflow.train.rank"  # one srun task, one rank
 CONFIG_FILE = "train_config.json"  # in the trainer's work directory
 ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
 DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
@@ -63,30 +62,6 @@ class Launch:
     @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
-
-    @classmethod
-    def for_job(cls, draft: dict, extract: dict, srun: bool, threads: int) -> Launch:
-        """The launch of a train_draft job: under SLURM (`srun`: its resources hold `mpi`),
-        the ranks and CPUs it was submitted with (`TrainJob`); on this machine, every GPU
-        it sees when `draft.processes_per_node` is null, and its `threads` shared by them."""
-        job = TrainJob.from_config(draft, extract)
-        if srun:
-            return cls(job.nodes, job.processes_per_node, job.device, True, job.cpus_per_rank)
-        visible, devices = None, None
-        if job.device == "cuda":
-            import torch
-
-            visible = torch.cuda.device_count()
-            if not visible:
-                raise LaunchError(
-                    "train_draft would train on CUDA (draft.device, where auto follows "
-                    "extract.device) but this machine has no GPU: set draft.device to cpu"
-                )
-            devices = trainer_devices(draft, visible)
-            if devices is not None:
-                visible = len(devices.split(","))
-        per_node = processes_per_node(draft, extract, visible)
-        return cls(job.nodes, per_node, job.device, False, max(1, threads // per_node), devices)
 
     def check(self, batch_packs: int, sequence_parallel: int = 1) -> None:
         """One sentence naming the key, for a launch that cannot work."""
@@ -133,54 +108,6 @@ def trainer_devices(draft: dict, visible: int) -> str | None:
     return ",".join(map(str, rest))
 
 
-def preflight(
-    shards,
-    target,
-    vocab,
-    cfg: TrainConfig,
-    overrides: dict,
-    launch: Launch,
-    log,
-    stream_layer_ids=None,
-):
-    """Before any rank starts: `Launch.check`, then the trainer's own memory check
-    (`eagleflow.draft.train.check_memory`) of the draft at the target's shape and the
-    longest pack, at this launch's world size, on this node's first device (left to the
-    ranks where the launcher sees no GPU). Reads the shards' offsets only.
-    `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
-    then the token shards)."""
-    launch.check(cfg.batch_packs, cfg.sequence_parallel)
-    if stream_layer_ids is not None and cfg.sequence_parallel > 1:
-        raise LaunchError(
-            f"draft.sequence_parallel = {cfg.sequence_parallel} with streamed states: every "
-            "rank of a pack would prefill it again; set draft.states to stored (or "
-            "draft.sequence_parallel to 1)"
-        )
-    import torch
-
-    if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
-        log("no GPU visible where the ranks are launched: each rank checks its memory plan")
-        return None
-
-    from eagleflow.data.heldout import excluder
-    from eagleflow.draft.data import layout_of, read_layout, sample_table, shard_paths
-    from eagleflow.draft.model import DraftConfig
-    from eagleflow.draft.train import check_memory
-    from eagleflow.target.head import read_target_config
-
-    config = read_target_config(target)
-    num_layers = int(config["num_hidden_layers"])
-    if stream_layer_ids is not None:
-        layout = layout_of(shard_paths(shards), stream_layer_ids, num_layers)
-    else:
-        layout = read_layout(shard_paths(shards), num_layers)
-    table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
-    draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
-    device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
-    pack_tokens = max(cfg.max_tokens, table.longest_train)
-    return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)
-
-
 # ---------------------------------------------------------------- settings and command
 
 
@@ -196,7 +123,7 @@ def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[Trai
 def recipe_settings(draft: dict) -> dict:
     """The `draft` keys that decide the trained weights or the run's extent: train_draft's
     params, so that a change to one of them (and to nothing else) runs the job again (it then
-    resumes or restarts, as `eagleflow.draft.train.training_recipe` decides)."""
+    resumes or restarts, as `eagleflow.train.train.training_recipe` decides)."""
     names = {f.name for f in fields(TrainConfig)} - set(RUNTIME_KEYS) - {"heldout_modulus"}
     names |= set(ARCH_KEYS)
     return {k: draft[k] for k in sorted(names) if k in draft}
@@ -205,9 +132,9 @@ def recipe_settings(draft: dict) -> dict:
 def trainer_args(
     shards, target, vocab, out, cfg: TrainConfig, overrides: dict, stream=None
 ) -> list[str]:
-    """The trainer's command-line arguments (`eagleflow.draft.train.main`); the settings go
+    """The trainer's command-line arguments (`eagleflow.train.train.main`); the settings go
     into `out`/train_config.json, which the log and a rerun by hand can read, and a
-    `stream` source (`eagleflow.draft.states.StreamSource`) into `out`/stream.json."""
+    `stream` source (`eagleflow.train.states.StreamSource`) into `out`/stream.json."""
     Path(out).mkdir(parents=True, exist_ok=True)
     config = Path(out) / CONFIG_FILE
     config.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
@@ -273,31 +200,3 @@ def command(launch: Launch, args: list[str], python: str = sys.executable, port=
     if launch.device == "cuda":  # every task sees its node's GPUs, and takes cuda:LOCAL_RANK
         srun.append(f"--gres=gpu:{launch.processes_per_node}")
     return Command([*srun, python, "-m", LAUNCHER, *args], env)
-
-
-def rank_env(environ) -> dict[str, str]:
-    """torch.distributed's variables of one srun task, from SLURM's."""
-    missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR") if k not in environ]
-    if missing:
-        raise LaunchError(
-            f"{', '.join(missing)} not set: python -m {LAUNCHER} runs as a task of the srun "
-            "step that eagleflow.draft.launch.command builds"
-        )
-    return {
-        "RANK": environ["SLURM_PROCID"],
-        "WORLD_SIZE": environ["SLURM_NTASKS"],
-        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
-    }
-
-
-def main(argv=None) -> None:
-    """One srun task: a rank of the trainer."""
-    os.environ.update(rank_env(os.environ))
-    from eagleflow.draft import train
-
-    train.main(argv)
-
-
-if __name__ == "__main__":
-    main()

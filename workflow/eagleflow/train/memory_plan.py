@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from eagleflow.draft.model import BLOCK, DraftConfig, Eagle3Draft, kernel_for
-from eagleflow.draft.sequence_parallel import slice_length
+from eagleflow.train.sequence_parallel import slice_length
 
 GB = 2**30  # GiB, as torch.cuda and nvidia-smi count a device's memory
 HEADROOM = 0.10  # share of the device kept free for what is not modelled

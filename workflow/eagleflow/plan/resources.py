@@ -28,7 +28,7 @@ TRAIN_STARTUP_MINUTES = 5
 # Host memory of one rank beyond its packs: Python, torch (and the CUDA runtime), the target
 # tensors read before they move to the device, and the consolidated best draft (rank 0).
 RANK_OVERHEAD_MB = 4096
-PROGRESS = "progress.json"  # eagleflow.draft.train.PROGRESS, in the trainer's work dir
+PROGRESS = "progress.json"  # eagleflow.train.train.PROGRESS, in the trainer's work dir
 
 
 def device_type(draft: dict, extract: dict) -> str:
@@ -108,7 +108,7 @@ def host_mem_mb(plan, num_workers: int, prefetch_factor: int, processes_per_node
     """Host memory (MB) per node: per rank an overhead, the packs its data loader holds (each
     worker's `prefetch_factor`, plus the one in use and its pinned copy) at the plan's pack
     size, and on CPU everything the plan places on the device (`MemoryPlan`,
-    eagleflow.draft.memory_plan)."""
+    eagleflow.train.memory_plan)."""
     packs = num_workers * prefetch_factor + 2
     per_rank = RANK_OVERHEAD_MB * 2**20 + packs * plan.inputs + 4 * plan.trainable_params
     if plan.workload.device_type == "cpu":

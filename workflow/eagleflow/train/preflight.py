@@ -1,0 +1,81 @@
+"""The launch of a train_draft job where it runs: the GPUs it sees, and the check before any
+rank starts (`eagleflow.plan.launch` plans the launch torch-free; this half loads torch and the
+trainer's memory check)."""
+
+from __future__ import annotations
+
+from eagleflow.plan.launch import Launch, LaunchError, trainer_devices
+from eagleflow.plan.resources import TrainJob, processes_per_node
+from eagleflow.plan.settings import TrainConfig
+
+
+def launch_for_job(draft: dict, extract: dict, srun: bool, threads: int) -> Launch:
+    """The launch of a train_draft job: under SLURM (`srun`: its resources hold `mpi`),
+    the ranks and CPUs it was submitted with (`TrainJob`); on this machine, every GPU
+    it sees when `draft.processes_per_node` is null, and its `threads` shared by them."""
+    job = TrainJob.from_config(draft, extract)
+    if srun:
+        return Launch(job.nodes, job.processes_per_node, job.device, True, job.cpus_per_rank)
+    visible, devices = None, None
+    if job.device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if not visible:
+            raise LaunchError(
+                "train_draft would train on CUDA (draft.device, where auto follows "
+                "extract.device) but this machine has no GPU: set draft.device to cpu"
+            )
+        devices = trainer_devices(draft, visible)
+        if devices is not None:
+            visible = len(devices.split(","))
+    per_node = processes_per_node(draft, extract, visible)
+    return Launch(job.nodes, per_node, job.device, False, max(1, threads // per_node), devices)
+
+
+def preflight(
+    shards,
+    target,
+    vocab,
+    cfg: TrainConfig,
+    overrides: dict,
+    launch: Launch,
+    log,
+    stream_layer_ids=None,
+):
+    """Before any rank starts: `Launch.check`, then the trainer's own memory check
+    (`eagleflow.train.train.check_memory`) of the draft at the target's shape and the
+    longest pack, at this launch's world size, on this node's first device (left to the
+    ranks where the launcher sees no GPU). Reads the shards' offsets only.
+    `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
+    then the token shards)."""
+    launch.check(cfg.batch_packs, cfg.sequence_parallel)
+    if stream_layer_ids is not None and cfg.sequence_parallel > 1:
+        raise LaunchError(
+            f"draft.sequence_parallel = {cfg.sequence_parallel} with streamed states: every "
+            "rank of a pack would prefill it again; set draft.states to stored (or "
+            "draft.sequence_parallel to 1)"
+        )
+    import torch
+
+    if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
+        log("no GPU visible where the ranks are launched: each rank checks its memory plan")
+        return None
+
+    from eagleflow.data.heldout import excluder
+    from eagleflow.draft.model import DraftConfig
+    from eagleflow.target.head import read_target_config
+    from eagleflow.train.data import layout_of, read_layout, sample_table, shard_paths
+    from eagleflow.train.train import check_memory
+
+    config = read_target_config(target)
+    num_layers = int(config["num_hidden_layers"])
+    if stream_layer_ids is not None:
+        layout = layout_of(shard_paths(shards), stream_layer_ids, num_layers)
+    else:
+        layout = read_layout(shard_paths(shards), num_layers)
+    table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
+    draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
+    device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
+    pack_tokens = max(cfg.max_tokens, table.longest_train)
+    return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)
