@@ -1,7 +1,7 @@
 """fp8 storage of hidden states (`capture.storage_dtype: float8_e4m3fn`): quantization round
 trip, the shard layout through the real shard-file path, verification of scales, readers, the
-fingerprint and the byte estimates. The end-to-end extraction through vLLM is in
-test_workflow.py."""
+fingerprint and the byte estimates, and an fp8 extraction through vLLM against the shared bf16
+one."""
 
 import json
 import struct
