@@ -6,7 +6,7 @@ its own files, log, record and verification. The loads are counted in the server
 `LOADED` line per model load); every shard is checked per sample against the per-shard path
 (tokens equal, states within the CPU engine's run-to-run noise), and the kill tests show that
 a SIGKILL of the whole run, or of the engine alone, leaves only committed chunks that a rerun
-keeps. Regeneration's jobs share a generate server the same way: one load for three source
+keeps. Regeneration's jobs share a generate server the same way: one load for two source
 shards, byte for byte the replies of per-job engines (greedy)."""
 
 import json
@@ -91,13 +91,13 @@ def assert_same_samples(work, reference):
 
 @pytest.fixture(scope="module")
 def per_shard_reference(prepared_workdir, tmp_path_factory):
-    """The same conversations through the per-shard path: one engine per job, in 2 shards of
-    200 (the comparison is per sample, so any cut of the same rows serves)."""
+    """The same conversations through the per-shard path, an engine of the job's own, in one
+    shard of all 400 (the comparison is per sample, so any cut of the same rows serves)."""
     work = copy_workdir(prepared_workdir, tmp_path_factory.mktemp("per-shard"))
-    per_shard = {"data": {"shard_size": 200}, "extract": {"engine_reuse": False}}
+    per_shard = {"data": {"shard_size": 400}, "extract": {"engine_reuse": False}}
     snakemake(work, "extract", config=merged(SMALL, per_shard))
     records = [json.loads(p.with_suffix(".json").read_text()) for p in shard_files(work)]
-    assert len(records) == 2
+    assert len(records) == 1
     assert all(r["model_loaded"] and not r["engine"]["server"] for r in records)
     assert engine_loads(work) == 0
     return work
@@ -225,20 +225,20 @@ def test_engine_killed_in_flight_fails_the_shard_clearly_and_rerun_completes(
     assert engine_loads(work) == 2
 
 
-# The embedded default's regeneration settings on 60 conversations: three source shards of 20
-# (three regenerate_shard jobs), chunks of 10, short replies. The embedded target is the shared
-# prepared run's.
+# The embedded default's regeneration settings on 60 conversations: two source shards of 30
+# (two regenerate_shard jobs: one starts the server, the other is served), chunks of 10, short
+# replies. The embedded target is the shared prepared run's.
 REGEN_SHARDS = {
     "data": {
         "path": "my-data.jsonl",
         "bundled_conversations": SMALL["data"]["bundled_conversations"],
-        "shard_size": 20,
-        "regenerate": {**SHORT_REGENERATION, "shard_rows": 20, "chunk_rows": 10},
+        "shard_size": 30,
+        "regenerate": {**SHORT_REGENERATION, "shard_rows": 30, "chunk_rows": 10},
     }
 }
 
 
-def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engines(
+def test_regeneration_two_source_shards_one_load_same_replies_as_per_job_engines(
     prepared_workdir, tmp_path
 ):
     from eagleflow.embedded.bundled_data import generate_conversations
@@ -251,7 +251,7 @@ def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engin
     # The dataset, the embedded target and the split first: the arms time the jobs alone.
     snakemake(work, "results/regenerated/sources.json", config=REGEN_SHARDS)
     ids = [s["id"] for s in json.loads((out / "sources.json").read_text())["shards"]]
-    assert len(ids) == 3
+    assert len(ids) == 2
     figures, files = {}, {}
     for arm, reuse in (("per-job engines", False), ("engine reuse", True)):
         for i in ids:
@@ -262,7 +262,7 @@ def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engin
             work, "regenerate", config=merged(REGEN_SHARDS, {"extract": {"engine_reuse": reuse}})
         )
         wall = time.time() - t0
-        assert started_jobs(proc.stdout + proc.stderr).get("regenerate_shard") == 3
+        assert started_jobs(proc.stdout + proc.stderr).get("regenerate_shard") == 2
         files[arm] = {i: (out / f"{i}.jsonl").read_bytes() for i in ids}
         summaries = [json.loads((out / f"{i}.summary.json").read_text()) for i in ids]
         figures[arm] = (wall, summaries)
@@ -282,7 +282,7 @@ def test_regeneration_three_source_shards_one_load_same_replies_as_per_job_engin
         assert "generated tok/s" in log and f"source shard {i} done" in log
     for arm, (wall, summaries) in figures.items():
         print(
-            f"\nregeneration, 3 source shards, {arm}: {wall:.0f} s wall, "
+            f"\nregeneration, 2 source shards, {arm}: {wall:.0f} s wall, "
             f"{sum(s['model_loaded'] for s in summaries)} model loads, engine start per job "
             f"{[s['engine_start_s'] for s in summaries]} s"
         )

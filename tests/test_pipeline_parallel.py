@@ -27,7 +27,14 @@ from support.references import (
     reference_corpus,
     rel_err,
 )
-from support.workflow_runner import SMALL, hidden_dir, merged, snakemake
+from support.workflow_runner import (
+    SMALL,
+    copy_workdir,
+    hidden_dir,
+    job_counts,
+    merged,
+    snakemake,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -82,18 +89,27 @@ def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(d
     assert_matches_reference(load_reference_model(deepseek.path), s2, shard, ids)
 
 
-def test_snakemake_extract_at_pp2_gives_the_shards_of_pp1(extracted_workdir, tmp_path):
-    """`snakemake extract` with extract.pipeline_parallel_size: 2 on the embedded default: the
-    same fingerprint, shard files, layer ids and tokens as the shared PP=1 run, states within
-    the engine's bf16 run-to-run noise."""
+def test_snakemake_extract_at_pp2_gives_the_shards_of_pp1(
+    prepared_workdir, extracted_workdir, tmp_path
+):
+    """`snakemake extract` with extract.pipeline_parallel_size: 2 on a copy of the prepared
+    small default (planned and validated at PP=1): validation re-runs for the new layout and
+    every shard is extracted in the same run (Snakemake used to drop them across the ancient()
+    edges: common.smk, extraction_summary); the same fingerprint, shard files, layer ids and
+    tokens as the shared PP=1 run, states within the engine's bf16 run-to-run noise."""
+    work = copy_workdir(prepared_workdir, tmp_path / "pp2")
     config = merged(SMALL, {"extract": {"pipeline_parallel_size": 2}})
-    snakemake(tmp_path, "extract", config=config)
-    one, two = hidden_dir(extracted_workdir), hidden_dir(tmp_path)
+    proc = snakemake(work, "extract", config=config)
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts.get("validate_env") == 1 and counts.get("extract_shard") == 4, counts
+    one, two = hidden_dir(extracted_workdir), hidden_dir(work)
     assert one.name == two.name  # the fingerprint does not depend on the layout
     names = sorted(p.name for p in one.glob("*.safetensors"))
     assert names and names == sorted(p.name for p in two.glob("*.safetensors"))
-    plan = CapturePlan.load(two / "capture_plan.json")
-    assert plan.pipeline_parallel_size == 2 and plan.strategy == "patched_forward"
+    # The stored plan is the fingerprint's (PP=1); each job plans its stages for PP=2.
+    assert CapturePlan.load(two / "capture_plan.json").pipeline_parallel_size == 1
+    records = [json.loads((two / n).with_suffix(".json").read_text()) for n in names]
+    assert all(r["strategy"] == "patched_forward" for r in records), records
     for name in names:
         with (
             safe_open(str(one / name), framework="pt") as a,
@@ -107,5 +123,5 @@ def test_snakemake_extract_at_pp2_gives_the_shards_of_pp1(extracted_workdir, tmp
             s1, s2 = a.get_tensor("hidden_states"), b.get_tensor("hidden_states")
         for j, k in enumerate(json.loads(ma["layer_ids"])):
             assert_same_states(s2[:, j : j + 1], s1[:, j : j + 1], f"{name} id {k}")
-    log = next((tmp_path / "results" / "logs" / "extract" / two.name).glob("*.log")).read_text()
+    log = next((work / "results" / "logs" / "extract" / two.name).glob("*.log")).read_text()
     assert "pipeline stage 1: layers 4..7, captures ids [4, 5, 8]" in log

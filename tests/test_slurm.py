@@ -39,10 +39,11 @@ CONFIG = merged(
     {
         "data": {
             "bundled_conversations": 100 * N_SHARDS,
-            # one regenerate_shard job per source shard of 100 rows, short replies
+            # one regenerate_shard job (one source shard of all rows, cut into the token
+            # shards after), short replies
             "regenerate": {
                 **SHORT_REGENERATION,
-                "shard_rows": 100,
+                "shard_rows": 100 * N_SHARDS,
                 "chunk_rows": 50,
                 "tokens_per_second": 20,
             },
@@ -234,14 +235,14 @@ def test_jobs_run_through_slurm_with_their_resources(runs):
         "rule_patch",
         "rule_extract_shard",
     }
-    # one regeneration job per source shard, given the extract jobs' GPUs, its time limit sized
-    # from its prompts (user turns x max_new_tokens at 20 tok/s, plus the 3-minute load)
+    # the regeneration job of the one source shard, given the extract jobs' GPUs, its time limit
+    # sized from its prompts (user turns x max_new_tokens at 20 tok/s, plus the 3-minute load)
     from eagleflow.extract.resources import extract_runtime_minutes
 
     sources = json.loads((runs["workdir"] / "results/regenerated/sources.json").read_text())
     prompts = {s["id"]: s["prompts"] for s in sources["shards"]}
     regen = {j: log for j, log in submitted if "/rule_regenerate_shard/" in log}
-    assert len(regen) == N_SHARDS
+    assert len(regen) == 1
     for j, log in regen.items():
         (source,) = [s for s in prompts if f"/{s}/" in log]
         assert records[j]["state"] == "COMPLETED" and "gres/gpu=4" in records[j]["tres"]

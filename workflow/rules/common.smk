@@ -234,7 +234,13 @@ def shard_regeneration_rejects(wildcards):
 
 # The targets (Snakefile).
 def extraction_summary(wildcards):
-    return f"{hidden_dir()}/verify_summary.tsv"
+    """Every shard extracted and verified, for the targets. The validation record is named
+    too, and not ancient(): when validation re-runs (new engine settings), Snakemake masks
+    every job below it and reaches the extract jobs only across ancient() edges, which it
+    skips, so their missing shards were never scheduled (Snakemake 9.27, dag.update_needrun).
+    This direct edge makes it walk back from the target to every job whose output is missing;
+    finished shards stay finished (extract.smk)."""
+    return [f"{hidden_dir()}/verify_summary.tsv", f"{hidden_dir()}/validate_env.json"]
 
 
 def stored_extraction(wildcards):
@@ -249,7 +255,12 @@ def evaluation_outputs(wildcards):
     """The current configuration's draft vocabulary and acceptance report, for `all`; the
     draft trained on, exported from and evaluated against extraction {fp}."""
     fp = os.path.basename(hidden_dir())
-    return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]
+    return [
+        f"{R}/draft/{fp}/vocab.json",
+        f"{R}/eval/{fp}/acceptance.json",
+        # what extraction_summary says, for a streamed run too
+        f"{hidden_dir()}/validate_env.json",
+    ]
 
 
 def regeneration_done():

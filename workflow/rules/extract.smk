@@ -7,8 +7,9 @@
 # they are ancient() and never trigger re-extraction.
 # Caveat (Snakemake 9.27): a job whose ancient() input's producer re-runs is dropped from
 # the DAG even when its own output is missing (update_needrun masks everything downstream of
-# a needrun job, then skips ancient edges). So the producers upstream of extraction only
-# re-run when their own outputs are missing: patch's and validate_env's inputs are ancient too.
+# a needrun job, then skips ancient edges). So patch's input is ancient too, and the targets
+# name validate_env's record directly (common.smk: extraction_summary), from which Snakemake
+# walks back to every extract job whose shard is missing.
 
 
 rule extract_shard:
