@@ -4,9 +4,17 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
+# The suite runs more processes than the machine has cores (three workers, each with engines,
+# Snakemake jobs and ranks of two OpenMP threads). OpenMP threads that wait by spinning then
+# take the cores from the threads they wait for, and every small op of the tiny models pays
+# for it many times over (benchmarks/omp_wait_policy.py). Idle threads sleep instead: set
+# here, before any process of the run loads torch's OpenMP runtime, and inherited by every
+# process the tests start.
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from support.target_configs import DEEPSEEK_V3, fake_checkpoint
+import pytest  # noqa: E402
+
+from support.target_configs import DEEPSEEK_V3, fake_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +62,23 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             build(directory)
             done.touch()
     return directory
+
+
+@pytest.fixture(scope="session")
+def reference_deepseek(tmp_path_factory):
+    """The tiny DeepseekV3 target trained on the reference corpus, once per test run (the
+    reference, pipeline-parallel and multi-node tests read it; none writes to it), with its
+    mixed-length shard (`support.references.Built`)."""
+    from eagleflow.embedded.tiny_target import build_tiny_target
+    from support.references import built, reference_corpus
+
+    return built(
+        built_once(
+            tmp_path_factory,
+            "reference-deepseek",
+            lambda d: build_tiny_target(reference_corpus(), d),
+        )
+    )
 
 
 @pytest.fixture(scope="session")

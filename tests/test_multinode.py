@@ -128,7 +128,9 @@ def test_a_node_that_fails_interrupts_the_job_with_its_traceback_in_the_log(tmp_
 
 
 @pytest.mark.vllm
-def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path):
+def test_pp2_over_two_loopback_nodes_captures_every_stage(
+    reference_deepseek, monkeypatch, tmp_path
+):
     """vLLM's multi-node launch on one machine: node rank 0 (this process's engine) runs
     stage 0, a headless `vllm serve` process as node rank 1 runs stage 1; eagleflow's capture
     hooks reach both, and the states match the float32 reference, tokens exact."""
@@ -138,7 +140,6 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
 
     from eagleflow.capture.plan import make_plan
     from eagleflow.capture.reference import load_reference_model
-    from eagleflow.embedded.tiny_target import build_tiny_target
     from eagleflow.engine.builder import build_engine, stop_engine
     from eagleflow.engine.settings import EngineSettings
     from eagleflow.extract.shard import (
@@ -148,11 +149,11 @@ def test_pp2_over_two_loopback_nodes_captures_every_stage(monkeypatch, tmp_path)
         shard_chunks,
     )
     from eagleflow.target.layers import default_layer_ids
-    from support.references import assert_matches_reference, build, capture, reference_corpus
+    from support.references import assert_matches_reference, capture
 
     monkeypatch.setenv(LOOPBACK_ENV, "1")
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "300")
-    target = build(build_tiny_target, reference_corpus(), tmp_path / "deepseek")
+    target = reference_deepseek
     ids = default_layer_ids(target.info.num_layers)
     plan = replace(make_plan(target.info, ids, "auto", pipeline_parallel_size=2), fingerprint="t")
     settings = EngineSettings(

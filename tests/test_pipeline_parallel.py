@@ -15,16 +15,13 @@ from safetensors import safe_open
 
 from eagleflow.capture.plan import CapturePlan, make_plan
 from eagleflow.capture.reference import load_reference_model
-from eagleflow.embedded.tiny_target import build_tiny_target
 from eagleflow.engine.settings import EngineSettings
 from eagleflow.target.layers import default_layer_ids
 from support.references import (
     Engines,
     assert_matches_reference,
     assert_same_states,
-    build,
     capture,
-    reference_corpus,
     rel_err,
 )
 from support.workflow_runner import (
@@ -40,8 +37,8 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    return build(build_tiny_target, reference_corpus(), tmp_path_factory.mktemp("deepseek"))
+def deepseek(reference_deepseek):
+    return reference_deepseek
 
 
 def test_pp2_gives_the_same_states_and_tokens_as_pp1_and_matches_the_reference(deepseek, tmp_path):

@@ -68,8 +68,8 @@ def engines():
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory, corpus):
-    return build(build_tiny_target, corpus, tmp_path_factory.mktemp("deepseek"))
+def deepseek(reference_deepseek):
+    return reference_deepseek
 
 
 @pytest.fixture(scope="module")

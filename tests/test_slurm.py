@@ -53,6 +53,8 @@ CONFIG = merged(
             "cpus_per_job": min(2, os.cpu_count() or 1),
             "model_load_minutes": 3,
             "tokens_per_second": 300,  # generous limits on a busy machine
+            # as a user's cluster runs it: an allocation's server stops soon after its jobs
+            "engine_idle_seconds": 60,
         },
     },
 )

@@ -62,9 +62,13 @@ class Built:
 
 def build(builder, corpus, directory) -> Built:
     """The target `builder(corpus, directory)` writes, and its mixed-length shard."""
+    return built(builder(corpus, directory))
+
+
+def built(path: Path) -> Built:
+    """A target already written at `path`, and its mixed-length shard."""
     from transformers import AutoTokenizer
 
-    path = builder(corpus, directory)
     return Built(path, read_target(path), mixed_shard(AutoTokenizer.from_pretrained(path)))
 
 

@@ -20,10 +20,14 @@ SMALL = {"data": {"bundled_conversations": 400, "shard_size": 100}}
 
 # Under every test config: the extraction tests run on the untrained embedded target and the
 # dataset as it is (no target training, no response regeneration: minutes of CPU each);
-# tests of those stages switch them back on explicitly.
+# tests of those stages switch them back on explicitly. The suite runs three workers on two
+# cores, where the next job of a run can take longer than a minute to start: an engine server
+# then waits for it (it still stops when its Snakemake run ends) instead of idling out and
+# costing a second load.
 EXTRACTION_BASE = {
     "target": {"path": "resources/targets/tiny-deepseek-v3"},
     "data": {"regenerate": {"enabled": False}},
+    "extract": {"engine_idle_seconds": 600},
 }
 
 
