@@ -11,7 +11,8 @@ from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.plan.settings import TrainConfig
 from eagleflow.train.data import ShardLayout, build_batch
-from eagleflow.train.train import add_noise, train, ttt_loss
+from eagleflow.train.objective import add_noise, ttt_loss
+from eagleflow.train.trainer import train
 from support.draft_fixtures import TINY_DRAFT, H, write_shard, write_target
 
 LAYOUT = ShardLayout(paths=[], layer_ids=[1, 2, 3], final_id=3, aux_ids=[1, 2])
@@ -89,8 +90,8 @@ def test_eagle31_options_are_exported_and_trained(tmp_path):
     train, and reach the export's config and weights."""
     from safetensors import safe_open
 
-    from eagleflow.export.export import export_draft
-    from eagleflow.train.train import load_trained
+    from eagleflow.draft.weights import load_trained
+    from eagleflow.export.speculators_format import export_draft
 
     cfg = DraftConfig(
         hidden_size=H,

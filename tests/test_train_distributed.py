@@ -21,9 +21,11 @@ import torch
 
 from eagleflow.data.heldout import excluder
 from eagleflow.draft.vocab import build_draft_vocab, save_vocab
+from eagleflow.draft.weights import load_trained
+from eagleflow.plan.settings import TrainConfig
 from eagleflow.store.quant import FP8
 from eagleflow.train.data import PackPlan, RankSampler, read_layout, sample_table
-from eagleflow.train.train import TrainConfig, load_trained, train
+from eagleflow.train.trainer import train
 from support import split_pack
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
 
@@ -61,9 +63,9 @@ def run_here(data, out, stop_after=None, **changes):
 
 
 def torchrun_command(data, out, nproc, stop_after=None, **changes):
-    """`torchrun --nproc_per_node N -m eagleflow.train.train ...`; N = 0: the CLI alone."""
+    """`torchrun --nproc_per_node N -m eagleflow.train.cli ...`; N = 0: the CLI alone."""
     target, shards, _ = data
-    cmd = [sys.executable, "-m", "eagleflow.train.train"]
+    cmd = [sys.executable, "-m", "eagleflow.train.cli"]
     if nproc:
         cmd[2:2] = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
     cmd += ["--shards", *map(str, shards), "--target", str(target)]

@@ -11,8 +11,8 @@ from eagleflow.serve.client import stop_server
 from eagleflow.train.checkpoint import BEST
 from eagleflow.train.memory_plan import MemoryPlanError
 from eagleflow.train.preflight import launch_for_job, preflight
+from eagleflow.train.records import CURVES, METRICS, SUMMARY, VALIDATION
 from eagleflow.train.states import StreamSource
-from eagleflow.train.train import CURVES, METRICS, SUMMARY, VALIDATION
 
 # Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.plan.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its

@@ -32,7 +32,8 @@ tokens a sample trains are those of its rows 1..n-1 (`Batch.trained_tokens`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import zlib
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +42,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from eagleflow.data.heldout import excluder
+from eagleflow.plan.settings import TrainConfig
 from eagleflow.store.quant import SCALES_KEY, dequantize
 from eagleflow.target.layers import CONVENTION
 from eagleflow.train.sequence_parallel import slice_length
+from eagleflow.train.states import ServedStates
 
 FP8_DTYPE = "F8_E4M3"
 OPEN_PACKS = 8  # first fit over this many open packs: dense packs, the shuffled order kept
@@ -252,11 +256,7 @@ class RankSampler(Sampler):
     """This rank's packs for global steps [start, end): B/W per step (module doc)."""
 
     def __init__(self, plan: PackPlan, starts: list[int], start, end, rank, world):
-        if plan.batch_packs % world:
-            raise ValueError(
-                f"draft.batch_packs = {plan.batch_packs} packs per optimizer step cannot be "
-                f"split over {world} ranks: set it to a multiple of {world}"
-            )
+        # world divides batch_packs: `eagleflow.plan.settings.check_world`
         self.plan, self.starts, self.start, self.end = plan, starts, start, end
         self.rank, self.world = rank, world
         self.micro_steps = plan.batch_packs // world
@@ -312,10 +312,12 @@ class Batch:
     doc: torch.Tensor  # [N] sample index of every anchor of the pack
     step_tokens: torch.Tensor  # [steps] anchors trained on at step k in the whole pack
     samples: int = 0  # samples in the pack, counted by its first slice (0: padding, or not)
+    key: int = 0  # the pack's identity (its samples' hash; 0: padding): its noise's seed
 
     def _map(self, fn) -> Batch:
-        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "samples"}
-        return Batch(**tensors, samples=self.samples)
+        plain = ("samples", "key")
+        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name not in plain}
+        return Batch(**tensors, samples=self.samples, key=self.key)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -463,7 +465,7 @@ class PackDataset(Dataset):
             parts = self.served.read_pack(self.table, pack, ranges)
         else:
             parts = [self.read(i, lo, hi) for i, (lo, hi) in zip(pack, ranges)]
-        return build_batch(
+        batch = build_batch(
             torch.cat([p[0] for p in parts]).long(),
             torch.cat([p[1] for p in parts]).bool(),
             torch.cat([p[2] for p in parts]),
@@ -475,6 +477,8 @@ class PackDataset(Dataset):
             self.parts,
             self.in_vocab,
         )
+        batch.key = pack_key(pack)
+        return batch
 
     def padding(self) -> Batch:
         a, _, e = slice_rows(1, self.steps, self.part, self.parts)
@@ -502,6 +506,11 @@ class PackDataset(Dataset):
         return batch
 
 
+def pack_key(pack) -> int:
+    """A pack's identity, from its sample indices (the same on every rank and in every run)."""
+    return zlib.crc32(np.asarray(pack, dtype=np.int64).tobytes()) or 1
+
+
 def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: bool):
     """Workers read and build the packs ahead of the step; the pinned host copy lets the
     device copy run asynchronously. num_workers 0: the packs are read in this process (the
@@ -515,3 +524,74 @@ def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: b
         prefetch_factor=prefetch_factor if num_workers else None,
         pin_memory=pin,
     )
+
+
+# ---------------------------------------------------------------- the run's data
+
+
+@dataclass
+class TrainData:
+    """What the run trains and validates on, and how many steps that makes."""
+
+    layout: object  # ShardLayout
+    table: object  # SampleTable (training, held-out and cut samples)
+    plan: PackPlan
+    epoch_starts: list[int]  # first step of each epoch, the epochs' total last
+    total: int  # steps this run trains to (epochs, or max_steps when set)
+    eval_table: object  # the table whose held-out samples are validated on
+    served: object = None  # ServedStates of draft.states stream | cached; None: stored
+
+    @classmethod
+    def read(cls, shards, num_hidden_layers: int, cfg: TrainConfig, log, stream=None) -> TrainData:
+        """`shards`: the extracted shards, or with `stream` (a StreamSource) the token shards,
+        whose states the capture server streams."""
+        if stream is None:
+            layout = read_layout(shard_paths(shards), num_hidden_layers)
+        else:
+            layout = layout_of(shard_paths(shards), stream.plan.layer_ids, num_hidden_layers)
+        table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
+        for c in table.cut:
+            log(
+                f"sample {c['sample_id']} of {c['shard']}: {c['tokens']} tokens, more than "
+                f"draft.max_sample_tokens = {cfg.max_sample_tokens}: NOT trained"
+            )
+        if not len(table.train):
+            raise ValueError(f"no training samples in {layout.paths} outside the held-out split")
+        plan = PackPlan(table, cfg.max_tokens, cfg.batch_packs, cfg.seed)
+        starts = plan.epoch_starts(cfg.epochs)
+        total = min(starts[-1], cfg.max_steps) if cfg.max_steps else starts[-1]
+        eval_table = table
+        if cfg.eval_samples and len(table.heldout) > cfg.eval_samples:
+            rng = np.random.default_rng([cfg.seed, 1 << 20])
+            pick = rng.choice(len(table.heldout), cfg.eval_samples, replace=False)
+            eval_table = replace(table, heldout=np.sort(table.heldout[pick]))
+        log(
+            f"{len(table.train)} training samples ({len(table.heldout)} held out, "
+            f"{len(table.cut)} not trained) in {plan.num_packs(0)} packs of up to "
+            f"{cfg.max_tokens} tokens; {cfg.epochs} epochs = {starts[-1]} steps of "
+            f"{cfg.batch_packs} packs; training {total}"
+        )
+        served = ServedStates(stream, layout.paths) if stream is not None else None
+        return cls(layout, table, plan, starts, total, eval_table, served)
+
+    def epoch_of(self, step: int) -> int:
+        return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
+
+    def loaders(self, cfg, start: int, end: int, rank: int, world: int, pin: bool, in_vocab):
+        """(training loader, its sampler, validation loader) of this rank: the ranks of one
+        sequence-parallel group read the same packs, each its own slice. With `mask_oov`,
+        training skips positions whose next token is outside the draft vocabulary
+        (`in_vocab`: t2d); validation never does (its acceptance counts every position)."""
+        parts = cfg.sequence_parallel
+        part, dp_rank, dp_world = rank % parts, rank // parts, world // parts
+        steps, oov = cfg.ttt_steps, in_vocab if cfg.mask_oov else None
+        served = self.served
+        dataset = PackDataset(self.layout, self.table, steps, part, parts, oov, served)
+        held_dataset = PackDataset(self.layout, self.table, steps, part, parts, None, served)
+        sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
+        held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
+        return (
+            data_loader(dataset, sampler, cfg.num_workers, cfg.prefetch_factor, pin),
+            sampler,
+            data_loader(held_dataset, held, 0, cfg.prefetch_factor, pin),  # no fork: see there
+        )

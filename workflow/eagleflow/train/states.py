@@ -201,7 +201,7 @@ class ServedStates:
         out = []
         for k, ((s, j), (lo, hi)) in enumerate(zip(refs, ranges)):
             ids, mask = self.tokens(s, j)
-            states, scales, served_ids = got[k] if len(got[k]) == 3 else (*got[k], None)
+            states, scales, served_ids = got[k]
             check_sample(
                 states,
                 scales,
@@ -235,6 +235,13 @@ class ServedStates:
         states, scales = from_wire(answer["states"]), from_wire(answer["scales"])
         ids = from_wire(answer["input_ids"])
         offsets = answer["offsets"]
+        if len(offsets) != len(refs) + 1:
+            got = max(len(offsets) - 1, 0)
+            missing = self.where(*refs[min(got, len(refs) - 1)])
+            raise StreamedStatesInvalid(
+                f"the capture server answered {got} of {len(refs)} samples asked for; "
+                f"{missing} is missing"
+            )
         out = {}
         for k, a, b in zip(keys, offsets, offsets[1:]):
             out[k] = (states[a:b], scales[a:b] if scales is not None else None, ids[a:b])
