@@ -542,7 +542,7 @@ def test_stream_run_writes_no_state_and_trains_the_stored_batches(
             served_layout,
             sample_table(tokens),
             3,
-            served=ServedStates(source, served_layout.paths),
+            source=ServedStates(source, served_layout.paths),
         )
         packs = PackPlan(table, 256, 2, 0)
         for p in range(3):

@@ -144,7 +144,7 @@ def datasets(tmp_path, mode="stream", storage="bfloat16", budget=0, steps=3):
     served = ServedStates(source, served_layout.paths)
     return (
         PackDataset(layout, table, steps),
-        PackDataset(served_layout, served_table, steps, served=served),
+        PackDataset(served_layout, served_table, steps, source=served),
         source,
     )
 
@@ -199,10 +199,10 @@ def test_cache_keeps_within_its_budget_and_serves_later_epochs(tmp_path, server_
     for pack in first:
         assert_same_batch(stored[pack], cached[pack])
         assert cache.used_bytes() <= budget
-    have = sum(len(cache.cached(s.shard_id)) for s in map(cached.served.shard, range(2)))
+    have = sum(len(cache.cached(s.shard_id)) for s in map(cached.source.shard, range(2)))
     assert 0 < have < len(stored.table.length)  # half the states fit, not all
     before = samples_served(source)
-    served = cached.served
+    served = cached.source
 
     def is_cached(i):
         s = int(stored.table.shard[i])
@@ -221,15 +221,15 @@ def test_a_fully_cached_run_never_starts_the_engine(tmp_path, server_env):
     stored, cached, source = datasets(tmp_path, mode="cached", budget=10**9)
     for pack in packs_of(stored):
         cached[pack]
-    assert cached.served.all_cached(cached.table)
+    assert cached.source.all_cached(cached.table)
     pid = json.loads(next(registry_dir().glob(f"{source.server.key}.json")).read_text())["pid"]
     assert stop_server(source.server)
     deadline = time.time() + 10
     while alive(pid) and time.time() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
-    served = ServedStates(source, cached.served.paths)
-    fresh = PackDataset(cached.layout, cached.table, 3, served=served)
+    served = ServedStates(source, cached.source.paths)
+    fresh = PackDataset(cached.layout, cached.table, 3, source=served)
     for pack in packs_of(stored, epoch=3):
         assert_same_batch(stored[pack], fresh[pack])
     assert not source.server.registry_file.exists()  # no server was started
@@ -306,7 +306,7 @@ def test_a_server_in_another_process_is_reached_over_tcp(tmp_path, server_env):
         token_paths = sorted(str(p) for p in (tmp_path / "tokens").glob("*.safetensors"))
         layout = layout_of(token_paths, LAYER_IDS, L)
         streamed = PackDataset(
-            layout, sample_table(token_paths), 3, served=ServedStates(source, token_paths)
+            layout, sample_table(token_paths), 3, source=ServedStates(source, token_paths)
         )
         for pack in packs_of(stored)[:4]:
             assert_same_batch(stored[pack], streamed[pack])
@@ -453,7 +453,7 @@ def test_a_tcp_server_started_inside_slurm_is_a_job_of_its_own(tmp_path, server_
     engine = served.start_server(logs.append)
     assert engine["loaded_here"] and any("SLURM job 4242" in line for line in logs), logs
     streamed = PackDataset(layout_of(token_paths, LAYER_IDS, L), sample_table(token_paths), 3)
-    streamed.served = served
+    streamed.source = served
     for pack in packs_of(stored)[:3]:
         assert_same_batch(stored[pack], streamed[pack])
     assert stop_server(source.server)
@@ -506,7 +506,7 @@ def test_a_cached_sample_whose_token_ids_differ_is_refused(tmp_path):
     """A cache hit is checked as a streamed sample is, token ids included: a cache written for
     other tokens under the same shard id fails the read, naming the sample."""
     stored, cached, source = datasets(tmp_path, mode="cached", budget=10**9)
-    shard = cached.served.shard(0)
+    shard = cached.source.shard(0)
     other = replace(shard, input_ids=(shard.input_ids + 1) % V)
     states, _ = fake_states(
         other.input_ids, other.offsets, len(LAYER_IDS), H, "bfloat16", "bfloat16"
@@ -523,7 +523,7 @@ def test_a_server_answering_fewer_samples_than_asked_is_refused(tmp_path, monkey
     """An answer short of samples fails the request with a sentence naming the first one
     missing, not a KeyError later."""
     _, streamed, source = datasets(tmp_path)
-    served = streamed.served
+    served = streamed.source
     shard = served.shard(0)
 
     class ShortAnswer:

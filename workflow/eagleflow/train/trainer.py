@@ -34,7 +34,7 @@ from eagleflow.plan.settings import TrainConfig, check_world, recipe_of
 from eagleflow.store.locks import work_lock
 from eagleflow.target.head import TargetHead, read_target_config
 from eagleflow.train.checkpoint import Checkpoints, Progress, training_state
-from eagleflow.train.data import TrainData
+from eagleflow.train.data import StateSource, StoredStates, TrainData, shard_paths
 from eagleflow.train.memory_plan import check_memory
 from eagleflow.train.objective import FIGURES, figures
 from eagleflow.train.optimizer import build_optimizers, lr_factor, set_lr
@@ -47,7 +47,7 @@ from eagleflow.train.parallel import (
 )
 from eagleflow.train.records import RunFiles, StepRecord, summary
 from eagleflow.train.sequence_parallel import split_groups
-from eagleflow.train.states import StreamSource
+from eagleflow.train.states import ServedStates, StreamSource
 from eagleflow.train.step import StepContext, train_step
 from eagleflow.train.validate import Validator
 from eagleflow.train.watchdog import Watchdog
@@ -79,6 +79,12 @@ class Timing:
         return self.tokens / max(time.time() - self.started, 1e-9)
 
 
+def state_source(run: TrainRun) -> StateSource:
+    """The stored shards, or (`run.stream`) the capture server's states of the token shards."""
+    paths = shard_paths(run.shards)
+    return StoredStates(paths) if run.stream is None else ServedStates(run.stream, paths)
+
+
 class Trainer:
     """Builds the run's parts (`__init__`), then `train()` runs the loop."""
 
@@ -90,7 +96,7 @@ class Trainer:
         if rank == 0:
             os.makedirs(run.out_dir, exist_ok=True)
         num_layers = int(read_target_config(run.target_dir)["num_hidden_layers"])
-        self.data = TrainData.read(run.shards, num_layers, cfg, self.log, run.stream)
+        self.data = TrainData.read(state_source(run), num_layers, cfg, self.log)
         self._build_model(device)
         self.progress = Progress()
         self.state = training_state(self.model, self.optims, self.progress)
@@ -137,7 +143,8 @@ class Trainer:
             cfg, start, end, self.rank, self.world, self.device.type == "cuda", self.run.vocab.t2d
         )
         self.micro_steps = sampler.micro_steps
-        self._start_states_source(start < end)
+        if start < end:  # the capture server started before the first step's data wait
+            self.data.source.prepare(self.data.table, self.log)
         self.batches = iter(loader)  # forks the loader's workers: before any thread starts
         self.watchdog = Watchdog(self.rank, cfg.stall_timeout)
         self.validate = Validator(self.model, self.head, val_loader, self.ctx, self.watchdog)
@@ -264,18 +271,6 @@ class Trainer:
         if self.ctx.split is not None:
             mode += f", sequence parallel over {self.ctx.split.parts} ranks"
         return mode
-
-    def _start_states_source(self, training: bool) -> None:
-        """Streamed states: connect to the capture server before the first step (its model
-        loads here, not in the first step's data wait), unless every sample is cached."""
-        served, stream = self.data.served, self.run.stream
-        if served is None or not training:
-            return
-        if served.all_cached(self.data.table):
-            self.log(f"draft.states {stream.mode}: every sample is cached, no engine needed")
-        else:
-            engine = served.start_server(self.log if self.rank == 0 else lambda m: None)
-            self.log(f"draft.states {stream.mode}: states from the capture server: {engine}")
 
 
 def train(shards, target_dir, vocab, out_dir, cfg, draft_overrides=None, **kw) -> dict:
