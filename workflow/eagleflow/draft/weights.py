@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.model import DraftConfig, Eagle3Draft, draft_config_for
 from eagleflow.draft.vocab import DraftVocab
 from eagleflow.store.locks import fsync_dir
 from eagleflow.target.head import EMBED, LM_HEAD, read_target_config, read_target_tensor
@@ -33,7 +33,7 @@ def build_draft(
     over the draft vocabulary, trained from there) or "target_frozen" (those rows, never
     trained: speculators 0.9's draft)."""
     config = read_target_config(target_dir)
-    cfg = DraftConfig.for_target(config, vocab.size, num_aux, **draft_overrides)
+    cfg = draft_config_for(config, vocab.size, num_aux, **draft_overrides)
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     model.set_vocab(vocab.d2t, vocab.t2d)

@@ -114,7 +114,13 @@ def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[Trai
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in draft.items() if k in names}
     values |= {"heldout_modulus": heldout_modulus, "device": "auto" if device == "cuda" else "cpu"}
-    return TrainConfig(**values), {k: draft[k] for k in DRAFT_KEYS if k in draft}
+    return TrainConfig(**values), draft_overrides(draft)
+
+
+def draft_overrides(draft: dict) -> dict:
+    """The DraftConfig overrides of the `draft` section: what the trainer, the check before
+    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
+    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
 
 
 def recipe_settings(draft: dict) -> dict:

@@ -246,13 +246,6 @@ def device_memory(device_memory_gb: float | None, device: torch.device) -> int |
     return None
 
 
-def draft_config_for(target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
-    """`DraftConfig.for_target` from a target's config.json (a wrapper's `text_config`)."""
-    if "hidden_size" not in target_config:
-        target_config = target_config["text_config"]
-    return DraftConfig.for_target(target_config, draft_vocab_size, num_aux, **overrides)
-
-
 def check_memory(draft_cfg, cfg, pack_tokens: int, world: int, device, log) -> MemoryPlan:
     """Refuse, before the device is touched, a run whose largest pack (its slice per rank,
     under sequence splitting) cannot fit; the plan goes to the log. `cfg`: the TrainConfig."""

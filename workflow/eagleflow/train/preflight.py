@@ -57,7 +57,7 @@ def preflight(
         return None
 
     from eagleflow.data.heldout import excluder
-    from eagleflow.draft.model import DraftConfig
+    from eagleflow.draft.model import draft_config_for
     from eagleflow.target.head import read_target_config
     from eagleflow.train.data import layout_of, read_layout, sample_table, shard_paths
     from eagleflow.train.memory_plan import check_memory
@@ -69,7 +69,7 @@ def preflight(
     else:
         layout = read_layout(shard_paths(shards), num_layers)
     table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
-    draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
+    draft_cfg = draft_config_for(config, vocab.size, len(layout.aux_ids), **overrides)
     device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
     pack_tokens = max(cfg.max_tokens, table.longest_train)
     return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)
