@@ -55,9 +55,11 @@ from eagleflow.target.head import TargetHead  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
 from eagleflow.train.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.train.memory_plan import GB, MemoryPlan, Workload, plan_memory  # noqa: E402
+from eagleflow.train.objective import figures  # noqa: E402
 from eagleflow.train.optimizer import build_optimizers  # noqa: E402
+from eagleflow.train.parallel import Parallelism  # noqa: E402
 from eagleflow.train.sequence_parallel import slice_length  # noqa: E402
-from eagleflow.train.step import train_step  # noqa: E402
+from eagleflow.train.step import StepContext, train_step  # noqa: E402
 
 # DeepSeek-V3's widths; depth and expert count cut so the float32 reference fits one GPU.
 REFERENCE_TARGET = dict(
@@ -257,10 +259,9 @@ class DraftRig(NamedTuple):
     def step(self, batch) -> float:
         """One optimizer step on one pack exactly as the trainer takes it (states dequantized
         on the device, autocast bf16 on CUDA, clipped update); the pack's loss."""
-        loss, *_ = train_step(
-            self.model, self.head, self.optims, self.train, [batch], 1, self.device
-        )
-        return loss
+        ctx = StepContext(self.train, Parallelism(0, 1, self.device))
+        result = train_step(self.model, self.head, self.optims, [batch], ctx)
+        return figures(result.sums, self.train.step_weight)["loss"]
 
     @property
     def device(self) -> torch.device:

@@ -67,7 +67,8 @@ from eagleflow.target.layers import default_layer_ids  # noqa: E402
 from eagleflow.train.data import (  # noqa: E402
     PackPlan,
     RankSampler,
-    TrainData,  # noqa: E402
+    StoredStates,
+    TrainData,
     sample_table,
     shard_paths,
 )
@@ -329,7 +330,8 @@ def feed_rate(arm: Arm, packs: int) -> dict:
     warnings.filterwarnings("ignore", "This DataLoader will create")  # more workers than CPUs
     cfg = TrainConfig(**arm.train | {"max_steps": 0})  # every epoch's packs, not the runs' steps
     num_layers = int(read_target_config(arm.target)["num_hidden_layers"])
-    data = TrainData.read(arm.shards, num_layers, cfg, log=lambda msg: None)
+    source = StoredStates(shard_paths(arm.shards))
+    data = TrainData.read(source, num_layers, cfg, log=lambda msg: None)
     loader, sampler, _ = data.loaders(cfg, 0, data.total, 0, 1, pin=False)
     packs = min(packs, len(sampler))
     t0 = time.perf_counter()
