@@ -158,7 +158,7 @@ def train_memory_plan():
     """The draft's per-device memory plan at the target's shape and the longest pack (samples
     are at most data.max_length tokens), at the job's world size."""
     from eagleflow.draft.model import draft_config_for
-    from eagleflow.plan.launch import draft_overrides
+    from eagleflow.plan.settings import draft_overrides
     from eagleflow.train.memory_plan import Workload, plan_memory
     from eagleflow.target.head import read_target_config
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from eagleflow.draft.vocab import load_vocab
 from eagleflow.logs import UserError, redirect_to_log
 from eagleflow.plan import launch
+from eagleflow.plan.settings import DraftSettings
 from eagleflow.serve.client import stop_server
 from eagleflow.train.checkpoint import BEST
 from eagleflow.train.memory_plan import MemoryPlanError
@@ -44,9 +45,8 @@ with redirect_to_log(snakemake.log[0]):
             srun=bool(snakemake.resources.get("mpi")),
             threads=snakemake.threads,
         )
-        cfg, overrides = launch.train_settings(
-            config["draft"], config["data"]["heldout_modulus"], run.device
-        )
+        settings = DraftSettings.from_config(config, run.device)
+        cfg, overrides = settings.train, settings.draft_overrides
         preflight(
             shards,
             snakemake.params.target,

@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import socket
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagleflow.plan.settings import (
+    ARCH_KEYS,
     EXTENT_KEYS,
     RECIPE_KEYS,
+    DraftSettings,
     SettingsError,
     TrainConfig,
     check_world,
@@ -44,8 +46,6 @@ from eagleflow.plan.settings import (
 TRAINER = "eagleflow.train.cli"
 LAUNCHER = "eagleflow.train.rank"  # one srun task, one rank
 CONFIG_FILE = "train_config.json"  # in the trainer's work directory
-ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
-DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
 
 
 class LaunchError(ValueError):
@@ -109,18 +109,12 @@ def trainer_devices(draft: dict, visible: int) -> str | None:
 
 
 def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, DraftConfig overrides) from the workflow's `draft` section. The trainer
-    gets `cpu`, or `auto` on CUDA (each rank then takes cuda:LOCAL_RANK)."""
-    names = {f.name for f in fields(TrainConfig)}
-    values = {k: v for k, v in draft.items() if k in names}
-    values |= {"heldout_modulus": heldout_modulus, "device": "auto" if device == "cuda" else "cpu"}
-    return TrainConfig(**values), draft_overrides(draft)
-
-
-def draft_overrides(draft: dict) -> dict:
-    """The DraftConfig overrides of the `draft` section: what the trainer, the check before
-    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
-    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
+    """(TrainConfig, DraftConfig overrides) of the workflow's `draft` section
+    (`DraftSettings.from_config`). The trainer gets `cpu`, or `auto` on CUDA (each rank then
+    takes cuda:LOCAL_RANK)."""
+    config = {"draft": draft, "data": {"heldout_modulus": heldout_modulus}}
+    settings = DraftSettings.from_config(config, device)
+    return settings.train, settings.draft_overrides
 
 
 def recipe_settings(draft: dict) -> dict:

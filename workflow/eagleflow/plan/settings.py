@@ -85,6 +85,16 @@ RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeo
 RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_KEYS + RUNTIME_KEYS)
 
 
+ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
+DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
+
+
+def draft_overrides(draft: dict) -> dict:
+    """The DraftConfig overrides of the `draft` section: what the trainer, the check before
+    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
+    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
+
+
 class SettingsError(ValueError):
     """A `draft:` setting that cannot work; its message names the key."""
 
@@ -125,3 +135,27 @@ def check_world(world: int, batch_packs: int, sequence_parallel: int, streamed=F
             f"({world} = draft.nodes x draft.processes_per_node): set draft.batch_packs to a "
             f"multiple of {groups}"
         )
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """The workflow's `draft:` section, typed and built once (`from_config`), and what each
+    key is: the recipe (`RECIPE_KEYS` and `ARCH_KEYS`: they decide the weights; a change
+    re-runs train_draft, which restarts from step 0), the extent (`EXTENT_KEYS`: a change
+    re-runs it, which resumes), and the rest, runtime (world size, sequence splitting, states
+    source, intervals, data loading: they change how a run goes, not what it makes)."""
+
+    train: TrainConfig
+    draft_overrides: dict  # DraftConfig overrides (`DRAFT_KEYS`)
+    states: str = "stored"  # stored | stream | cached (docs/streaming.md)
+
+    @classmethod
+    def from_config(cls, config: dict, device: str = "cpu") -> DraftSettings:
+        """From the workflow config; `device`: where the ranks run (cuda: each rank takes
+        cuda:LOCAL_RANK, `auto` in the trainer's settings)."""
+        draft = config["draft"]
+        names = {f.name for f in fields(TrainConfig)}
+        values = {k: v for k, v in draft.items() if k in names}
+        values["heldout_modulus"] = config["data"]["heldout_modulus"]
+        values["device"] = "auto" if device == "cuda" else "cpu"
+        return cls(TrainConfig(**values), draft_overrides(draft), draft.get("states", "stored"))

@@ -148,7 +148,8 @@ class Trainer:
         self.batches = iter(loader)  # forks the loader's workers: before any thread starts
         self.watchdog = Watchdog(self.rank, cfg.stall_timeout)
         self.validate = Validator(self.model, self.head, val_loader, self.ctx, self.watchdog)
-        self.log(f"{self._mode()} on {self.world} rank(s), {self.micro_steps} pack(s) per step")
+        per_rank = f"{self.micro_steps} pack(s) per rank and step"
+        self.log(f"{self._mode()} on {self.world} rank(s), {per_rank}")
         self.model.train()
         for step in range(start, end):
             record = self.train_one(step)
@@ -172,7 +173,7 @@ class Trainer:
         cfg, t0 = self.run.cfg, time.perf_counter()
         factor = lr_factor(step, self.data.total, self.progress.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optims, factor)
-        batches, samples, tokens, waited = self.fetch(step)
+        batches, samples, tokens, waited = self.fetch()
         with self.watchdog.waiting(f"step {step + 1}: forward, backward and the all-reduces"):
             result = train_step(self.model, self.head, self.optims, batches, self.ctx, step)
             counts = torch.tensor([samples, tokens, waited], dtype=torch.float64)
@@ -195,13 +196,13 @@ class Trainer:
             elapsed_s=time.time() - self.timing.started,
         )
 
-    def fetch(self, step: int) -> tuple[list, int, int, float]:
+    def fetch(self) -> tuple[list, int, int, float]:
         """(this rank's packs of the step, on the host; their samples, their trained tokens,
         the seconds waited for them)."""
         batches, wait = [], 0.0
         for _ in range(self.micro_steps):
             t = time.perf_counter()
-            with self.watchdog.waiting(f"step {step + 1}: the training loader's next pack"):
+            with self.watchdog.waiting("the training loader's next pack"):
                 batches.append(next(self.batches))
             wait += time.perf_counter() - t
         self.timing.wait += wait
