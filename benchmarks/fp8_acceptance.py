@@ -10,7 +10,7 @@ extracted once (the storage dtype is in the fingerprint, so they live side by si
 
 Draft and evaluation outputs are keyed by the fingerprint only, not by the seed. The trainer
 does not resume a checkpoint in `draft/<fp>/train.work/` written under another seed
-(`eagleflow.train.train.training_recipe`), but it would resume its own finished one, so every
+(`eagleflow.plan.settings.recipe_of`), but it would resume its own finished one, so every
 `train.work/` is removed before a run: a repeated seed trains again. `--repeat ARM...` runs the
 first seed of each arm named once more at the end, to check that training and evaluation are
 deterministic.

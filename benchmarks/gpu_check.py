@@ -9,7 +9,7 @@ what runs without it, at realistic sizes, and prints one figures table:
       same forward in bf16 (what vLLM computes; vLLM itself is not on that machine), stored
       in the shard layout; `check_shard_against_reference` recomputes them in float32 and
       reports per-layer error and the reference forward's throughput.
-  (b) draft training (`eagleflow.draft.model` + `eagleflow.train.train` pieces): the EAGLE-3
+  (b) draft training (`eagleflow.draft.model` + `eagleflow.train.trainer` pieces): the EAGLE-3
       draft at Kimi-K2.5's shape (hidden 7168, intermediate 18,432, one layer, 32k draft
       vocabulary over the target's 163,840) at 4k and 8k tokens per pack, and a
       Llama-3-8B-sized one (hidden 4096), as the trainer takes a step on one GPU: bf16
@@ -48,15 +48,18 @@ import torch  # noqa: E402
 
 from eagleflow.capture.reference import check_shard_against_reference, reference_states  # noqa: E402
 from eagleflow.draft.model import DraftConfig, Eagle3Draft, attend, kernel_for, pack_mask  # noqa: E402
+from eagleflow.plan.settings import TrainConfig  # noqa: E402
 from eagleflow.store.direct_io import ALIGN, DirectWriter  # noqa: E402
 from eagleflow.store.quant import states_to_host  # noqa: E402
 from eagleflow.target.head import TargetHead  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
 from eagleflow.train.data import ShardLayout, build_batch  # noqa: E402
 from eagleflow.train.memory_plan import GB, MemoryPlan, Workload, plan_memory  # noqa: E402
+from eagleflow.train.objective import figures  # noqa: E402
 from eagleflow.train.optimizer import build_optimizers  # noqa: E402
+from eagleflow.train.parallel import Parallelism  # noqa: E402
 from eagleflow.train.sequence_parallel import slice_length  # noqa: E402
-from eagleflow.train.train import TrainConfig, train_step  # noqa: E402
+from eagleflow.train.step import StepContext, train_step  # noqa: E402
 
 # DeepSeek-V3's widths; depth and expert count cut so the float32 reference fits one GPU.
 REFERENCE_TARGET = dict(
@@ -237,7 +240,7 @@ def run_reference(args, device: torch.device) -> list[dict]:
 
 
 class DraftRig(NamedTuple):
-    """What one draft-training case trains with, built as `eagleflow.train.train` builds it:
+    """What one draft-training case trains with, built as `eagleflow.train.trainer` builds it:
     the draft (flex attention: compiled on CUDA), the target's head rows over the draft
     vocabulary in bf16, the optimizers of draft.optimizer. (A NamedTuple, not a dataclass:
     the tests load this script without registering it as a module.)"""
@@ -256,10 +259,9 @@ class DraftRig(NamedTuple):
     def step(self, batch) -> float:
         """One optimizer step on one pack exactly as the trainer takes it (states dequantized
         on the device, autocast bf16 on CUDA, clipped update); the pack's loss."""
-        loss, *_ = train_step(
-            self.model, self.head, self.optims, self.train, [batch], 1, self.device
-        )
-        return loss
+        ctx = StepContext(self.train, Parallelism(0, 1, self.device))
+        result = train_step(self.model, self.head, self.optims, [batch], ctx)
+        return figures(result.sums, self.train.step_weight)["loss"]
 
     @property
     def device(self) -> torch.device:

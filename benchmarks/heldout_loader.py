@@ -7,7 +7,7 @@ training worker, every held-out sample validated every `--eval-every` steps):
 
   in_rank     the trainer as it is: the held-out loader has no workers
   persistent  the held-out loader with `num_workers` persistent workers (the code before the
-              fix), put back by wrapping `eagleflow.train.train.data_loader`
+              fix), put back by wrapping `eagleflow.train.data.data_loader`
 
 Per run: `validation_seconds` (summary.json: every validation's time, the held-out reads and
 forwards), the validations run, `data_wait_share` (the training loader's wait over step
@@ -34,10 +34,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from torch.utils.data import DataLoader  # noqa: E402
 from train_throughput import build_embedded  # noqa: E402
 
-import eagleflow.train.train as trainer  # noqa: E402
+import eagleflow.train.data as train_data  # noqa: E402
 from eagleflow.draft.vocab import load_vocab  # noqa: E402
 from eagleflow.plan.settings import TrainConfig  # noqa: E402
 from eagleflow.train.data import HeldoutSampler  # noqa: E402
+from eagleflow.train.records import VALIDATION  # noqa: E402
+from eagleflow.train.trainer import train  # noqa: E402
 
 RECIPE = dict(
     max_tokens=256,
@@ -76,15 +78,15 @@ def persistent_heldout(data_loader):
 
 def run(arm: str, shards, target, vocab, out: Path, steps: int, eval_every: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resumed one
-    original = trainer.data_loader
+    original = train_data.data_loader
     if arm == "persistent":
-        trainer.data_loader = persistent_heldout(original)
+        train_data.data_loader = persistent_heldout(original)
     try:
         cfg = TrainConfig(**{**RECIPE, "max_steps": steps, "eval_every": eval_every})
-        summary = trainer.train(shards, target, load_vocab(vocab), out, cfg)
+        summary = train(shards, target, load_vocab(vocab), out, cfg)
     finally:
-        trainer.data_loader = original
-    validations = len((out / trainer.VALIDATION).read_text().splitlines()) - 1
+        train_data.data_loader = original
+    validations = len((out / VALIDATION).read_text().splitlines()) - 1
     return {
         "arm": arm,
         "validation_s": summary["validation_seconds"],

@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from eagleflow.train.memory_plan import GB, Workload, draft_config_for, plan_memory  # noqa: E402
+from eagleflow.draft.model import draft_config_for  # noqa: E402
+from eagleflow.train.memory_plan import GB, Workload, plan_memory  # noqa: E402
 
 # Kimi-K2.5's text model as its config.json publishes it (`text_config`), the fields a draft
 # is sized from.

@@ -1,6 +1,6 @@
 """Draft-training throughput on CPU: tokens per second per rank and the data wait, 1 and 2 ranks.
 
-Runs the trainer as the workflow does (`torchrun --nproc_per_node N -m eagleflow.train.train`,
+Runs the trainer as the workflow does (`torchrun --nproc_per_node N -m eagleflow.train.cli`,
 FSDP2 over gloo) at the trainer's loader defaults (`TrainConfig.num_workers`,
 `prefetch_factor`), for 1 and 2 ranks on each of two sets, and reads each run's summary.json
 and metrics.csv:
@@ -59,12 +59,19 @@ from eagleflow.data.heldout import HELDOUT_MODULUS, excluder  # noqa: E402
 from eagleflow.data.shards import TokenShard  # noqa: E402
 from eagleflow.draft.vocab import build_draft_vocab, save_vocab  # noqa: E402
 from eagleflow.extract.shard import chunk_targets, finish_shard, prepare_shard_file  # noqa: E402
+from eagleflow.plan.settings import TrainConfig  # noqa: E402
 from eagleflow.store.chunks import ShardChunks  # noqa: E402
 from eagleflow.store.quant import DEFAULT_STORAGE, STORAGE_DTYPES, is_fp8, quantize  # noqa: E402
 from eagleflow.target.head import EMBED, LM_HEAD, NORM, read_target_config  # noqa: E402
 from eagleflow.target.layers import default_layer_ids  # noqa: E402
-from eagleflow.train.data import PackPlan, RankSampler, sample_table, shard_paths  # noqa: E402
-from eagleflow.train.train import TrainConfig, TrainData  # noqa: E402
+from eagleflow.train.data import (  # noqa: E402
+    PackPlan,
+    RankSampler,
+    StoredStates,
+    TrainData,
+    sample_table,
+    shard_paths,
+)
 
 FP = "benchmark000000"  # the synthetic sets' extraction fingerprint
 CHUNK_TOKENS = 4096  # extract.chunk_tokens: rows committed per chunk, as the workflow writes
@@ -278,7 +285,7 @@ def run(arm: Arm, ranks: int, workdir: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc_per_node", str(ranks), "-m", "eagleflow.train.train"]
+    cmd += ["--nproc_per_node", str(ranks), "-m", "eagleflow.train.cli"]
     cmd += ["--shards", *arm.shards, "--target", arm.target, "--vocab", arm.vocab]
     cmd += ["--out", str(out), "--config", json.dumps(arm.train), "--draft", json.dumps(arm.draft)]
     env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
@@ -323,7 +330,8 @@ def feed_rate(arm: Arm, packs: int) -> dict:
     warnings.filterwarnings("ignore", "This DataLoader will create")  # more workers than CPUs
     cfg = TrainConfig(**arm.train | {"max_steps": 0})  # every epoch's packs, not the runs' steps
     num_layers = int(read_target_config(arm.target)["num_hidden_layers"])
-    data = TrainData.read(arm.shards, num_layers, cfg, log=lambda msg: None)
+    source = StoredStates(shard_paths(arm.shards))
+    data = TrainData.read(source, num_layers, cfg, log=lambda msg: None)
     loader, sampler, _ = data.loaders(cfg, 0, data.total, 0, 1, pin=False)
     packs = min(packs, len(sampler))
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ draft vocabulary and the same token budget, are exported in the speculators form
 evaluated through the `evaluate` rule's vLLM path (`eagleflow.evaluate.acceptance.run_vllm`:
 vLLM eagle3, k = `evaluate.speculative_tokens`, the same held-out prompts for every run):
 
-  ours         `eagleflow.train.train.train` with the workflow's `draft:` settings (one process,
+  ours         `eagleflow.train.trainer.train` with the workflow's `draft:` settings (one process,
                as `train_draft` runs it at one rank), exported by `export_draft` from `best/`.
   speculators  speculators 0.9.0: `Eagle3DraftModel.from_training_args` and its `Trainer`, fed
                by its own `create_train_val_loaders` (`ArrowDataset`, `shift_batch`, multipack
@@ -224,8 +224,9 @@ def convert(shards, target, out: Path, max_sample_tokens: int, heldout_modulus: 
 def train_ours(shards, target, vocab_path, cfg, overrides, out: Path) -> dict:
     """Our trainer as `train_draft` runs it at one rank, then `export_draft` of `best/`."""
     from eagleflow.draft.vocab import load_vocab
-    from eagleflow.export.export import export_draft
-    from eagleflow.train.train import load_trained, train
+    from eagleflow.draft.weights import load_trained
+    from eagleflow.export.speculators_format import export_draft
+    from eagleflow.train.trainer import train
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
@@ -289,7 +290,7 @@ def train_speculators(conv: Converted, target, vocab_path, cfg, draft, out: Path
 
     from eagleflow.draft.model import Eagle3Draft
     from eagleflow.draft.vocab import load_vocab
-    from eagleflow.export.export import transformer_layer_config
+    from eagleflow.export.speculators_format import transformer_layer_config
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -24,10 +24,12 @@ from eagleflow.draft.vocab import (
     save_vocab,
     vocab_from_counts,
 )
-from eagleflow.export.export import export_draft
+from eagleflow.draft.weights import load_trained
+from eagleflow.export.speculators_format import export_draft
+from eagleflow.plan.settings import TrainConfig
 from eagleflow.store.quant import FP8
 from eagleflow.train.data import PackDataset, read_layout, sample_table
-from eagleflow.train.train import TrainConfig, load_trained, train
+from eagleflow.train.trainer import train
 from support.draft_fixtures import SPECULATORS_NAMES, TINY_DRAFT, H, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,8 +314,8 @@ def test_export_names_config_and_aux_ids_from_shards(tiny, tmp_path):
 def test_a_draft_over_the_whole_target_vocabulary_exports_no_id_maps(tiny):
     """draft.vocab_size at (or above) the target's: vLLM builds no draft_id_to_target_id and
     refuses a d2t in the file, so none is written (the ids are the target's, in order)."""
-    from eagleflow.export.export import export_tensors
-    from eagleflow.train.train import build_draft
+    from eagleflow.draft.weights import build_draft
+    from eagleflow.export.speculators_format import export_tensors
 
     target, shards = tiny
     draft = build_draft(target, build_draft_vocab(shards, V, V), 3, 0, "random", **TINY_DRAFT)
@@ -570,7 +572,7 @@ def test_stream_run_writes_no_state_and_trains_the_stored_batches(
             served_layout,
             sample_table(tokens),
             3,
-            served=ServedStates(source, served_layout.paths),
+            source=ServedStates(source, served_layout.paths),
         )
         packs = PackPlan(table, 256, 2, 0)
         for p in range(3):
@@ -601,7 +603,7 @@ def perturbed_export(tiny, out, norm_before_residual, seed, **arch):
     """An exported draft with a pruned vocabulary and non-trivial weights everywhere (norms
     included), so every placement (hidden_norm, residual, fc order, d2t) shows; `arch`:
     DraftConfig options (fc_norm, norm_output)."""
-    from eagleflow.train.train import build_draft
+    from eagleflow.draft.weights import build_draft
 
     target, shards = tiny
     vocab = build_draft_vocab(shards, V, 48)

@@ -129,3 +129,19 @@ def test_planning_imports_no_torch():
                 wrong.append(" -> ".join(route) + " -> torch")
             todo.extend(route + [m] for m in sorted(graph[module]))
     assert not wrong, "\n".join(wrong)
+
+
+# The trainer stage reads as a set of components: no function longer than this (issue 35).
+LONGEST_FUNCTION = {"train": 80}
+
+
+def test_the_trainers_functions_are_short():
+    wrong = []
+    for stage_name, limit in LONGEST_FUNCTION.items():
+        for path in sorted((PACKAGE / stage_name).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > limit:
+                        wrong.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
+    assert not wrong, "\n".join(wrong)

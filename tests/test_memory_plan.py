@@ -9,14 +9,13 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagleflow.draft.model import DraftConfig, Eagle3Draft
+from eagleflow.draft.model import DraftConfig, Eagle3Draft, draft_config_for
 from eagleflow.train.memory_plan import (
     GB,
     MemoryPlanError,
     Workload,
     check_plan,
     device_memory,
-    draft_config_for,
     plan_memory,
 )
 from support.target_configs import KIMI_K25

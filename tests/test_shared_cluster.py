@@ -322,7 +322,7 @@ def test_a_second_trainer_on_the_same_work_folder_stops_with_a_sentence(tmp_path
     results_dir) stops before it touches a checkpoint; once the first is killed, a rerun
     goes ahead."""
     from eagleflow.plan.settings import TrainConfig
-    from eagleflow.train.train import train
+    from eagleflow.train.trainer import train
 
     work, holding = tmp_path / "train.work", tmp_path / "holding"
     first = subprocess.Popen(

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,15 +23,18 @@ from eagleflow.capture.plan import CapturePlan, Strategy
 from eagleflow.data.shards import build_shards, write_token_shard
 from eagleflow.data.templating import Tokenized
 from eagleflow.draft.vocab import build_draft_vocab
+from eagleflow.draft.weights import load_trained
 from eagleflow.engine.settings import EngineSettings
+from eagleflow.extract.stream import to_wire
 from eagleflow.plan.settings import TrainConfig
 from eagleflow.serve.client import ServerSpec, alive, registry_dir, stop_server
 from eagleflow.store.quant import FP8
 from eagleflow.store.shardfile import plan_shard_file, prepare
 from eagleflow.store.state_cache import StateCache, sample_index
+from eagleflow.train import states as states_module
 from eagleflow.train.data import PackDataset, PackPlan, layout_of, read_layout, sample_table
 from eagleflow.train.states import ServedStates, StreamedStatesInvalid, StreamSource, check_sample
-from eagleflow.train.train import load_trained, train
+from eagleflow.train.trainer import train
 from support.draft_fixtures import TINY_DRAFT, H, L, V, write_target
 from support.fake_capture_server import fake_states
 from support.workflow_runner import REPO
@@ -140,7 +144,7 @@ def datasets(tmp_path, mode="stream", storage="bfloat16", budget=0, steps=3):
     served = ServedStates(source, served_layout.paths)
     return (
         PackDataset(layout, table, steps),
-        PackDataset(served_layout, served_table, steps, served=served),
+        PackDataset(served_layout, served_table, steps, source=served),
         source,
     )
 
@@ -195,10 +199,10 @@ def test_cache_keeps_within_its_budget_and_serves_later_epochs(tmp_path, server_
     for pack in first:
         assert_same_batch(stored[pack], cached[pack])
         assert cache.used_bytes() <= budget
-    have = sum(len(cache.cached(s.shard_id)) for s in map(cached.served.shard, range(2)))
+    have = sum(len(cache.cached(s.shard_id)) for s in map(cached.source.shard, range(2)))
     assert 0 < have < len(stored.table.length)  # half the states fit, not all
     before = samples_served(source)
-    served = cached.served
+    served = cached.source
 
     def is_cached(i):
         s = int(stored.table.shard[i])
@@ -217,15 +221,15 @@ def test_a_fully_cached_run_never_starts_the_engine(tmp_path, server_env):
     stored, cached, source = datasets(tmp_path, mode="cached", budget=10**9)
     for pack in packs_of(stored):
         cached[pack]
-    assert cached.served.all_cached(cached.table)
+    assert cached.source.all_cached(cached.table)
     pid = json.loads(next(registry_dir().glob(f"{source.server.key}.json")).read_text())["pid"]
     assert stop_server(source.server)
     deadline = time.time() + 10
     while alive(pid) and time.time() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
-    served = ServedStates(source, cached.served.paths)
-    fresh = PackDataset(cached.layout, cached.table, 3, served=served)
+    served = ServedStates(source, cached.source.paths)
+    fresh = PackDataset(cached.layout, cached.table, 3, source=served)
     for pack in packs_of(stored, epoch=3):
         assert_same_batch(stored[pack], fresh[pack])
     assert not source.server.registry_file.exists()  # no server was started
@@ -302,7 +306,7 @@ def test_a_server_in_another_process_is_reached_over_tcp(tmp_path, server_env):
         token_paths = sorted(str(p) for p in (tmp_path / "tokens").glob("*.safetensors"))
         layout = layout_of(token_paths, LAYER_IDS, L)
         streamed = PackDataset(
-            layout, sample_table(token_paths), 3, served=ServedStates(source, token_paths)
+            layout, sample_table(token_paths), 3, source=ServedStates(source, token_paths)
         )
         for pack in packs_of(stored)[:4]:
             assert_same_batch(stored[pack], streamed[pack])
@@ -381,7 +385,7 @@ def test_cache_budget_counts_allocated_blocks(tmp_path):
         if budget == 10**8:
             assert cache.complete(shard)
         for j in cache.cached(shard.shard_id):
-            got, _ = cache.read(shard, j)
+            got, *_ = cache.read(shard, j)
             assert torch.equal(got, rows[j][1])
 
 
@@ -449,7 +453,7 @@ def test_a_tcp_server_started_inside_slurm_is_a_job_of_its_own(tmp_path, server_
     engine = served.start_server(logs.append)
     assert engine["loaded_here"] and any("SLURM job 4242" in line for line in logs), logs
     streamed = PackDataset(layout_of(token_paths, LAYER_IDS, L), sample_table(token_paths), 3)
-    streamed.served = served
+    streamed.source = served
     for pack in packs_of(stored)[:3]:
         assert_same_batch(stored[pack], streamed[pack])
     assert stop_server(source.server)
@@ -493,3 +497,73 @@ def test_a_stream_source_refuses_a_plan_whose_states_go_to_files(tmp_path):
     plan.save(tmp_path / "capture_plan.json")
     with pytest.raises(ValueError, match=r"capture_plan.json uses vLLM's extract_hidden_states"):
         StreamSource.for_job(config, tmp_path / "capture_plan.json", tmp_path / "x.log")
+
+
+# ---------------------------------------------------------------- the checks of issue 35
+
+
+def test_a_cached_sample_whose_token_ids_differ_is_refused(tmp_path):
+    """A cache hit is checked as a streamed sample is, token ids included: a cache written for
+    other tokens under the same shard id fails the read, naming the sample."""
+    stored, cached, source = datasets(tmp_path, mode="cached", budget=10**9)
+    shard = cached.source.shard(0)
+    other = replace(shard, input_ids=(shard.input_ids + 1) % V)
+    states, _ = fake_states(
+        other.input_ids, other.offsets, len(LAYER_IDS), H, "bfloat16", "bfloat16"
+    )
+    a, b = int(other.offsets[0]), int(other.offsets[1])
+    source.cache.add(other, [(0, states[a:b], None)], source.plan, "bfloat16")
+    first = next(i for i in range(len(cached.table.shard)) if cached.table.shard[i] == 0)
+    assert sample_index(shard, int(cached.table.start[first])) == 0
+    with pytest.raises(StreamedStatesInvalid, match=r"#0\) of token shard .*token ids differ"):
+        cached[(first,)]
+
+
+def test_a_server_answering_fewer_samples_than_asked_is_refused(tmp_path, monkeypatch):
+    """An answer short of samples fails the request with a sentence naming the first one
+    missing, not a KeyError later."""
+    _, streamed, source = datasets(tmp_path)
+    served = streamed.source
+    shard = served.shard(0)
+
+    class ShortAnswer:
+        engine = {}
+
+        def __init__(self, *args, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def states(self, request):
+            offsets = shard.offsets[:2].tolist()  # the first sample only
+            states, _ = fake_states(
+                shard.input_ids[: offsets[1]], offsets, len(LAYER_IDS), H, "bfloat16", "bfloat16"
+            )
+            ids = torch.from_numpy(shard.input_ids[: offsets[1]].astype(np.int64))
+            return {
+                "states": to_wire(states),
+                "scales": None,
+                "input_ids": to_wire(ids),
+                "offsets": offsets,
+            }
+
+    monkeypatch.setattr(states_module, "EngineClient", ShortAnswer)
+    with pytest.raises(StreamedStatesInvalid, match=r"1 of 2 samples.*#1\) of token shard"):
+        served.request([(0, 0), (0, 1)], [0, 1])
+
+
+def test_the_trainer_refuses_streamed_states_split_over_ranks(tmp_path):
+    """draft.sequence_parallel > 1 with streamed states is refused by the trainer itself (not
+    only by the workflow's preflight), with a sentence naming both keys."""
+    stored, streamed, source = datasets(tmp_path)
+    target = write_target(tmp_path / "target")
+    vocab = build_draft_vocab(stored.layout.paths, V, 48)
+    cfg = replace(train_config(4), sequence_parallel=2)
+    with pytest.raises(ValueError, match="streamed states"):
+        train(
+            streamed.layout.paths, target, vocab, tmp_path / "run", cfg, TINY_DRAFT, stream=source
+        )

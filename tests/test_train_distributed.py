@@ -21,9 +21,11 @@ import torch
 
 from eagleflow.data.heldout import excluder
 from eagleflow.draft.vocab import build_draft_vocab, save_vocab
+from eagleflow.draft.weights import load_trained
+from eagleflow.plan.settings import TrainConfig, check_world
 from eagleflow.store.quant import FP8
 from eagleflow.train.data import PackPlan, RankSampler, read_layout, sample_table
-from eagleflow.train.train import TrainConfig, load_trained, train
+from eagleflow.train.trainer import train
 from support import split_pack
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
 
@@ -61,9 +63,9 @@ def run_here(data, out, stop_after=None, **changes):
 
 
 def torchrun_command(data, out, nproc, stop_after=None, **changes):
-    """`torchrun --nproc_per_node N -m eagleflow.train.train ...`; N = 0: the CLI alone."""
+    """`torchrun --nproc_per_node N -m eagleflow.train.cli ...`; N = 0: the CLI alone."""
     target, shards, _ = data
-    cmd = [sys.executable, "-m", "eagleflow.train.train"]
+    cmd = [sys.executable, "-m", "eagleflow.train.cli"]
     if nproc:
         cmd[2:2] = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
     cmd += ["--shards", *map(str, shards), "--target", str(target)]
@@ -391,7 +393,7 @@ def test_a_stalled_data_worker_fails_the_rank_by_name_with_every_stack(tmp_path)
     )
     assert re.search(named, err), err[-4000:]
     assert "Thread 0x" in err and "(most recent call first)" in err, err[-4000:]
-    assert "in micro_batches" in err, err[-4000:]  # the main thread, where it waited
+    assert "in fetch" in err, err[-4000:]  # the main thread, where it waited
     assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()  # the rerun resumes
     assert took < 60, took
 
@@ -528,5 +530,6 @@ def test_plan_is_deterministic_per_seed_and_epoch_and_covers_each_sample_once(tm
     one = global_batches(1)
     assert global_batches(2) == one and global_batches(4) == one
     assert global_batches(2, start=5) == one[5:]
+    # the rule the sampler relies on, checked once for the workflow and the trainer
     with pytest.raises(ValueError, match="batch_packs = 4 .* multiple of 3"):
-        RankSampler(plan, starts, 0, total, 0, 3)
+        check_world(3, 4, 1)

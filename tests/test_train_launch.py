@@ -50,7 +50,7 @@ def test_processes_per_node_defaults_to_the_gpus_on_cuda_and_one_on_cpu():
 
 def test_one_rank_runs_the_trainer_as_a_plain_process():
     cmd = launch.command(launch.Launch(1, 1, "cpu", cpus_per_rank=2), ARGS, python="py")
-    assert cmd.argv == ["py", "-m", "eagleflow.train.train", *ARGS]
+    assert cmd.argv == ["py", "-m", "eagleflow.train.cli", *ARGS]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -70,7 +70,7 @@ def test_ranks_on_this_machine_start_under_torchrun_standalone():
         "--nproc_per_node",
         "2",
         "-m",
-        "eagleflow.train.train",
+        "eagleflow.train.cli",
         *ARGS,
     ]
     assert cmd.env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}

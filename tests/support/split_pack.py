@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.train.data import ShardLayout, build_batch, slice_rows
+from eagleflow.train.objective import ttt_loss
 from eagleflow.train.sequence_parallel import split_groups
-from eagleflow.train.train import ttt_loss
 
 H, V, STEPS = 32, 40, 3
 LENGTHS = [150, 40, 1, 109, 300]  # 600 tokens: across slice and block boundaries

@@ -11,7 +11,7 @@ from pathlib import Path
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.plan.settings import TrainConfig
 from eagleflow.train.data import PackDataset
-from eagleflow.train.train import train
+from eagleflow.train.trainer import train
 from support.draft_fixtures import TINY_DRAFT, V, write_shard, write_target
 
 out, stall_from, stall_timeout = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])

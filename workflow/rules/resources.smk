@@ -157,7 +157,9 @@ def train_runtime(wildcards, attempt):
 def train_memory_plan():
     """The draft's per-device memory plan at the target's shape and the longest pack (samples
     are at most data.max_length tokens), at the job's world size."""
-    from eagleflow.train.memory_plan import Workload, draft_config_for, plan_memory
+    from eagleflow.draft.model import draft_config_for
+    from eagleflow.plan.settings import draft_overrides
+    from eagleflow.train.memory_plan import Workload, plan_memory
     from eagleflow.target.head import read_target_config
 
     target = read_target_config(TARGET)
@@ -165,8 +167,7 @@ def train_memory_plan():
         target,
         min(DRAFT_SETTINGS["vocab_size"], int(target["vocab_size"])),
         len(layer_ids()) - 1,
-        attention=DRAFT_SETTINGS["attention"],
-        activation_checkpointing=DRAFT_SETTINGS["activation_checkpointing"],
+        **draft_overrides(DRAFT_SETTINGS),
     )
     longest = config["data"]["max_length"]
     if DRAFT_SETTINGS["max_sample_tokens"]:

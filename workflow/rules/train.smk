@@ -2,7 +2,7 @@
 # Inputs are every verified shard of extraction {fp}; outputs go under results/draft/{fp}/.
 # The trainer works in train.work/ (not an output, so a crashed or timed-out job's checkpoint
 # survives Snakemake's cleanup) and resumes from there when the checkpoint is this run's
-# (same seed, recipe, draft and shards; eagleflow.train.train.training_recipe), at any world
+# (same seed, recipe, draft and shards; eagleflow.plan.settings.recipe_of), at any world
 # size; train/best/ is the draft with the best simulated acceptance length, what export reads.
 
 from eagleflow.plan.launch import recipe_settings

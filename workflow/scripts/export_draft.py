@@ -1,9 +1,9 @@
 import json
 
 from eagleflow.capture.plan import CapturePlan
-from eagleflow.export.export import export_draft
+from eagleflow.draft.weights import load_trained
+from eagleflow.export.speculators_format import export_draft
 from eagleflow.logs import redirect_to_log
-from eagleflow.train.train import load_trained
 
 # input.best: the trainer's `best/` (the draft with the best simulated acceptance length);
 # its frozen embedding is read again from the target.

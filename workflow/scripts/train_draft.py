@@ -7,12 +7,13 @@ from pathlib import Path
 from eagleflow.draft.vocab import load_vocab
 from eagleflow.logs import UserError, redirect_to_log
 from eagleflow.plan import launch
+from eagleflow.plan.settings import DraftSettings
 from eagleflow.serve.client import stop_server
 from eagleflow.train.checkpoint import BEST
 from eagleflow.train.memory_plan import MemoryPlanError
 from eagleflow.train.preflight import launch_for_job, preflight
+from eagleflow.train.records import CURVES, METRICS, SUMMARY, VALIDATION
 from eagleflow.train.states import StreamSource
-from eagleflow.train.train import CURVES, METRICS, SUMMARY, VALIDATION
 
 # Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.plan.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
@@ -44,9 +45,8 @@ with redirect_to_log(snakemake.log[0]):
             srun=bool(snakemake.resources.get("mpi")),
             threads=snakemake.threads,
         )
-        cfg, overrides = launch.train_settings(
-            config["draft"], config["data"]["heldout_modulus"], run.device
-        )
+        settings = DraftSettings.from_config(config, run.device)
+        cfg, overrides = settings.train, settings.draft_overrides
         preflight(
             shards,
             snakemake.params.target,

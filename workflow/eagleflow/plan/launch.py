@@ -1,8 +1,8 @@
 """How the workflow starts the draft trainer: `draft.nodes` x `draft.processes_per_node` ranks.
 
-    one rank          python -m eagleflow.train.train ARGS                (a plain process)
+    one rank          python -m eagleflow.train.cli ARGS                (a plain process)
     one node, here    python -m torch.distributed.run --standalone --nnodes 1
-                          --nproc_per_node P -m eagleflow.train.train ARGS
+                          --nproc_per_node P -m eagleflow.train.cli ARGS
     SLURM             srun --kill-on-bad-exit=1 --nodes=N --ntasks=N*P --ntasks-per-node=P
                           --cpus-per-task=C --mem=0 [--gres=gpu:P]
                           python -m eagleflow.train.rank ARGS
@@ -30,16 +30,22 @@ from __future__ import annotations
 import json
 import socket
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.settings import (
+    ARCH_KEYS,
+    EXTENT_KEYS,
+    RECIPE_KEYS,
+    DraftSettings,
+    SettingsError,
+    TrainConfig,
+    check_world,
+)
 
-TRAINER = "eagleflow.train.train"
+TRAINER = "eagleflow.train.cli"
 LAUNCHER = "eagleflow.train.rank"  # one srun task, one rank
 CONFIG_FILE = "train_config.json"  # in the trainer's work directory
-ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
-DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
 
 
 class LaunchError(ValueError):
@@ -63,28 +69,19 @@ class Launch:
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 
-    def check(self, batch_packs: int, sequence_parallel: int = 1) -> None:
-        """One sentence naming the key, for a launch that cannot work."""
+    def check(self, batch_packs: int, sequence_parallel: int = 1, streamed=False) -> None:
+        """One sentence naming the key, for a launch that cannot work (the rules tying the
+        settings to the ranks: `eagleflow.plan.settings.check_world`)."""
         if self.nodes > 1 and not self.srun:
             raise LaunchError(
                 f"draft.nodes is {self.nodes}, but train_draft runs on this machine (torchrun "
                 "starts ranks on one node only): set draft.nodes to 1, or run the workflow "
                 "with --profile slurm"
             )
-        if self.world_size % sequence_parallel:
-            raise LaunchError(
-                f"draft.sequence_parallel = {sequence_parallel} ranks per pack does not divide "
-                f"the {self.world_size} ranks (draft.nodes x draft.processes_per_node): make "
-                "it a divisor"
-            )
-        groups = self.world_size // sequence_parallel  # ranks that train different packs
-        if batch_packs % groups:
-            raise LaunchError(
-                f"draft.batch_packs = {batch_packs} packs per optimizer step cannot be split "
-                f"over {groups} groups of draft.sequence_parallel = {sequence_parallel} ranks "
-                f"({self.world_size} = draft.nodes x draft.processes_per_node): set "
-                f"draft.batch_packs to a multiple of {groups}"
-            )
+        try:
+            check_world(self.world_size, batch_packs, sequence_parallel, streamed)
+        except SettingsError as e:
+            raise LaunchError(str(e)) from None
 
 
 def trainer_devices(draft: dict, visible: int) -> str | None:
@@ -112,27 +109,27 @@ def trainer_devices(draft: dict, visible: int) -> str | None:
 
 
 def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, DraftConfig overrides) from the workflow's `draft` section. The trainer
-    gets `cpu`, or `auto` on CUDA (each rank then takes cuda:LOCAL_RANK)."""
-    names = {f.name for f in fields(TrainConfig)}
-    values = {k: v for k, v in draft.items() if k in names}
-    values |= {"heldout_modulus": heldout_modulus, "device": "auto" if device == "cuda" else "cpu"}
-    return TrainConfig(**values), {k: draft[k] for k in DRAFT_KEYS if k in draft}
+    """(TrainConfig, DraftConfig overrides) of the workflow's `draft` section
+    (`DraftSettings.from_config`). The trainer gets `cpu`, or `auto` on CUDA (each rank then
+    takes cuda:LOCAL_RANK)."""
+    config = {"draft": draft, "data": {"heldout_modulus": heldout_modulus}}
+    settings = DraftSettings.from_config(config, device)
+    return settings.train, settings.draft_overrides
 
 
 def recipe_settings(draft: dict) -> dict:
     """The `draft` keys that decide the trained weights or the run's extent: train_draft's
     params, so that a change to one of them (and to nothing else) runs the job again (it then
-    resumes or restarts, as `eagleflow.train.train.training_recipe` decides)."""
-    names = {f.name for f in fields(TrainConfig)} - set(RUNTIME_KEYS) - {"heldout_modulus"}
-    names |= set(ARCH_KEYS)
+    resumes or restarts, as its checkpoint's recipe decides: `settings.recipe_of`).
+    `heldout_modulus` is `data.heldout_modulus`, a param of its own."""
+    names = set(RECIPE_KEYS) | set(EXTENT_KEYS) | set(ARCH_KEYS)
     return {k: draft[k] for k in sorted(names) if k in draft}
 
 
 def trainer_args(
     shards, target, vocab, out, cfg: TrainConfig, overrides: dict, stream=None
 ) -> list[str]:
-    """The trainer's command-line arguments (`eagleflow.train.train.main`); the settings go
+    """The trainer's command-line arguments (`eagleflow.train.cli.main`); the settings go
     into `out`/train_config.json, which the log and a rerun by hand can read, and a
     `stream` source (`eagleflow.train.states.StreamSource`) into `out`/stream.json."""
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ TRAIN_STARTUP_MINUTES = 5
 # Host memory of one rank beyond its packs: Python, torch (and the CUDA runtime), the target
 # tensors read before they move to the device, and the consolidated best draft (rank 0).
 RANK_OVERHEAD_MB = 4096
-PROGRESS = "progress.json"  # eagleflow.train.train.PROGRESS, in the trainer's work dir
+PROGRESS = "progress.json"  # eagleflow.train.records.PROGRESS, in the trainer's work dir
 
 
 def device_type(draft: dict, extract: dict) -> str:

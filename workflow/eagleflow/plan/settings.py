@@ -3,7 +3,8 @@ reads them while it plans (`eagleflow.plan.resources`, `eagleflow.plan.launch`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from eagleflow.data.heldout import HELDOUT_MODULUS
 
@@ -78,3 +79,83 @@ class TrainConfig:
 EXTENT_KEYS = ("epochs", "max_steps")
 RUNTIME_KEYS = ("eval_every", "eval_samples", "save_every", "num_workers", "prefetch_factor")
 RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeout")
+# What decides the trained weights: every other TrainConfig field. The one definition that
+# both the workflow (a change reruns train_draft: `eagleflow.plan.launch.recipe_settings`) and
+# the trainer (a change restarts from step 0: `recipe_of`) read.
+RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_KEYS + RUNTIME_KEYS)
+
+
+ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
+DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
+
+
+def draft_overrides(draft: dict) -> dict:
+    """The DraftConfig overrides of the `draft` section: what the trainer, the check before
+    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
+    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
+
+
+class SettingsError(ValueError):
+    """A `draft:` setting that cannot work; its message names the key."""
+
+
+def recipe_of(cfg: TrainConfig, draft_architecture: dict, layout, vocab) -> dict:
+    """Everything that decides the trained weights: a checkpoint is resumed only when all of
+    it is unchanged. Not the world size (the global batch is in packs), nor the extent.
+    `layout`: the shards' (`ShardLayout`), `vocab`: the draft vocabulary (`DraftVocab`)."""
+    return {
+        "train_config": {k: getattr(cfg, k) for k in RECIPE_KEYS},
+        "draft_config": draft_architecture,
+        "shards": [Path(p).name for p in layout.paths],  # content-addressed names
+        "layer_ids": list(layout.layer_ids),
+        "vocab": vocab.summary(),
+    }
+
+
+def check_world(world: int, batch_packs: int, sequence_parallel: int, streamed=False) -> None:
+    """The rules that tie the settings to the ranks, checked here only (by the workflow before
+    it launches, `Launch.check`, and by the trainer once it knows its world). `streamed`: the
+    states come from the capture server (draft.states stream | cached)."""
+    if streamed and sequence_parallel > 1:
+        raise SettingsError(
+            f"draft.sequence_parallel = {sequence_parallel} with streamed states: every "
+            "rank of a pack would prefill it again; set draft.states to stored (or "
+            "draft.sequence_parallel to 1)"
+        )
+    if world % sequence_parallel:
+        raise SettingsError(
+            f"draft.sequence_parallel = {sequence_parallel} ranks per pack does not divide "
+            f"the {world} ranks (draft.nodes x draft.processes_per_node): make it a divisor"
+        )
+    groups = world // sequence_parallel  # ranks that train different packs
+    if batch_packs % groups:
+        raise SettingsError(
+            f"draft.batch_packs = {batch_packs} packs per optimizer step cannot be split "
+            f"over {groups} groups of draft.sequence_parallel = {sequence_parallel} ranks "
+            f"({world} = draft.nodes x draft.processes_per_node): set draft.batch_packs to a "
+            f"multiple of {groups}"
+        )
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """The workflow's `draft:` section, typed and built once (`from_config`), and what each
+    key is: the recipe (`RECIPE_KEYS` and `ARCH_KEYS`: they decide the weights; a change
+    re-runs train_draft, which restarts from step 0), the extent (`EXTENT_KEYS`: a change
+    re-runs it, which resumes), and the rest, runtime (world size, sequence splitting, states
+    source, intervals, data loading: they change how a run goes, not what it makes)."""
+
+    train: TrainConfig
+    draft_overrides: dict  # DraftConfig overrides (`DRAFT_KEYS`)
+    states: str = "stored"  # stored | stream | cached (docs/streaming.md)
+
+    @classmethod
+    def from_config(cls, config: dict, device: str = "cpu") -> DraftSettings:
+        """From the workflow config; `device`: where the ranks run (cuda: each rank takes
+        cuda:LOCAL_RANK, `auto` in the trainer's settings)."""
+        draft = config["draft"]
+        names = {f.name for f in fields(TrainConfig)}
+        values = {k: v for k, v in draft.items() if k in names}
+        values["heldout_modulus"] = config["data"]["heldout_modulus"]
+        values["device"] = "auto" if device == "cuda" else "cpu"
+        return cls(TrainConfig(**values), draft_overrides(draft), draft.get("states", "stored"))

@@ -69,12 +69,15 @@ class StateCache:
         return sum(p.stat().st_blocks * 512 for p in self.dir.iterdir() if p.is_file())
 
     def read(self, shard: TokenShard, j: int):
-        """(states, scales or None) of sample j, as stored; it must be listed as cached."""
+        """(states, scales or None, input ids) of sample j, as stored; it must be listed as
+        cached. The ids are the cache file's own, for the reader to check against the token
+        shard's."""
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         with safe_open(str(self.file(shard.shard_id)), framework="pt") as f:
             states = f.get_slice("hidden_states")[a:b]
             scales = f.get_slice(SCALES_KEY)[a:b] if SCALES_KEY in f.keys() else None
-        return states, scales
+            ids = f.get_slice("input_ids")[a:b]
+        return states, scales, ids
 
     @contextmanager
     def _lock(self):

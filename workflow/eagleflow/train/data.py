@@ -32,7 +32,8 @@ tokens a sample trains are those of its rows 1..n-1 (`Batch.trained_tokens`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import zlib
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from eagleflow.data.heldout import excluder
+from eagleflow.plan.settings import TrainConfig
 from eagleflow.store.quant import SCALES_KEY, dequantize
 from eagleflow.target.layers import CONVENTION
 from eagleflow.train.sequence_parallel import slice_length
@@ -252,11 +255,7 @@ class RankSampler(Sampler):
     """This rank's packs for global steps [start, end): B/W per step (module doc)."""
 
     def __init__(self, plan: PackPlan, starts: list[int], start, end, rank, world):
-        if plan.batch_packs % world:
-            raise ValueError(
-                f"draft.batch_packs = {plan.batch_packs} packs per optimizer step cannot be "
-                f"split over {world} ranks: set it to a multiple of {world}"
-            )
+        # world divides batch_packs: `eagleflow.plan.settings.check_world`
         self.plan, self.starts, self.start, self.end = plan, starts, start, end
         self.rank, self.world = rank, world
         self.micro_steps = plan.batch_packs // world
@@ -312,10 +311,12 @@ class Batch:
     doc: torch.Tensor  # [N] sample index of every anchor of the pack
     step_tokens: torch.Tensor  # [steps] anchors trained on at step k in the whole pack
     samples: int = 0  # samples in the pack, counted by its first slice (0: padding, or not)
+    key: int = 0  # the pack's identity (its samples' hash; 0: padding): its noise's seed
 
     def _map(self, fn) -> Batch:
-        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "samples"}
-        return Batch(**tensors, samples=self.samples)
+        plain = ("samples", "key")
+        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name not in plain}
+        return Batch(**tensors, samples=self.samples, key=self.key)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -409,33 +410,57 @@ def build_batch(
     )
 
 
-class PackDataset(Dataset):
-    """Item = a pack (a tuple of sample indices of `table`) -> `Batch` of slice `part` of
-    `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
-    every rank runs the same forwards. `served`: the states of `draft.states: stream | cached`
-    (`eagleflow.train.states.ServedStates`, the layout's paths then the token shards); None:
-    the stored shards."""
+class StateSource:
+    """Where a pack's states come from (`draft.states`): the trainer's data never asks which.
 
-    def __init__(
-        self, layout, table: SampleTable, steps: int, part=0, parts=1, in_vocab=None, served=None
-    ):
-        self.layout, self.table, self.steps = layout, table, steps
-        self.part, self.parts, self.in_vocab = part, parts, in_vocab
-        self.served = served
+    `StoredStates` reads the extracted shards; `eagleflow.train.states.ServedStates` asks the
+    capture server (and its cache) for the states of the token shards' samples. Both give
+    the same rows for the same samples, so the packs, their order and their batches are the
+    same in every mode."""
+
+    paths: list[str]  # the shards the samples are in (extracted, or token shards)
+
+    def layout(self, num_hidden_layers: int) -> ShardLayout:
+        """The layout of the states this source gives."""
+        raise NotImplementedError
+
+    def read_pack(self, table: SampleTable, pack, ranges) -> list[tuple]:
+        """[(input_ids, loss_mask, states rows [lo, hi), fp8 scales of them or None)] per
+        sample of `pack` (sample indices of `table`); `ranges` [(lo, hi)] per sample."""
+        raise NotImplementedError
+
+    def padding(self, table: SampleTable, rows: int) -> tuple:
+        """(ids [1], mask [1], zero states [rows], zero scales or None) of a padding pack:
+        nothing is trained on it, and nothing is read or prefilled for its states."""
+        raise NotImplementedError
+
+    def prepare(self, table: SampleTable, log) -> None:
+        """Before the first step: whatever the source needs started (nothing, stored)."""
+
+
+class StoredStates(StateSource):
+    """The extracted shards on disk, read with `safe_open(...).get_slice(...)` on the
+    memory-mapped files (only the rows asked for)."""
+
+    def __init__(self, paths):
+        self.paths = [str(p) for p in paths]
         self._files: dict[int, object] = {}  # open handles of this process (each worker's own)
+
+    def layout(self, num_hidden_layers: int) -> ShardLayout:
+        return read_layout(self.paths, num_hidden_layers)
 
     def _file(self, s: int):
         if s not in self._files:
-            self._files[s] = safe_open(self.layout.paths[s], framework="pt")
+            self._files[s] = safe_open(self.paths[s], framework="pt")
         return self._files[s]
 
-    def read(self, i: int, lo: int = 0, hi: int | None = None):
+    def read(self, table: SampleTable, i: int, lo: int = 0, hi: int | None = None):
         """Sample i as stored: (input_ids, loss_mask, hidden_states, fp8 scales or None); the
         states (and scales) of its rows [lo, hi) only (all by default)."""
-        s = int(self.table.shard[i])
+        s = int(table.shard[i])
         f = self._file(s)
-        a = int(self.table.start[i])
-        n = int(self.table.length[i])
+        a = int(table.start[i])
+        n = int(table.length[i])
         hi = n if hi is None else hi
         hs = f.get_slice("hidden_states")
         scales = None
@@ -443,13 +468,43 @@ class PackDataset(Dataset):
         if hs.get_dtype() == FP8_DTYPE:
             if SCALES_KEY not in f.keys():
                 raise ValueError(
-                    f"{self.layout.paths[s]}: hidden_states are stored as F8_E4M3 but the "
+                    f"{self.paths[s]}: hidden_states are stored as F8_E4M3 but the "
                     f"file has no {SCALES_KEY}; its states cannot be dequantized (extract it "
                     "again)"
                 )
             scales = f.get_slice(SCALES_KEY)[rows]
         ids = f.get_slice("input_ids")[a : a + n]
         return ids, f.get_slice("loss_mask")[a : a + n], hs[rows], scales
+
+    def read_pack(self, table: SampleTable, pack, ranges) -> list[tuple]:
+        return [self.read(table, i, lo, hi) for i, (lo, hi) in zip(pack, ranges)]
+
+    def padding(self, table: SampleTable, rows: int) -> tuple:
+        i = int(table.train[0] if len(table.train) else table.heldout[0])
+        ids, mask, hidden, scales = self.read(table, i, 0, 1)
+        zeros = hidden.new_zeros((rows, *hidden.shape[1:]))
+        if scales is not None:
+            scales = scales.new_zeros((rows, *scales.shape[1:]))
+        return ids[:1], mask[:1], zeros, scales
+
+
+class PackDataset(Dataset):
+    """Item = a pack (a tuple of sample indices of `table`) -> `Batch` of slice `part` of
+    `parts` (the whole pack in one part); () is a padding pack: one row, nothing trained, so
+    every rank runs the same forwards. `source`: where the states come from (`StateSource`;
+    the stored shards of `layout` by default)."""
+
+    def __init__(
+        self, layout, table: SampleTable, steps: int, part=0, parts=1, in_vocab=None, source=None
+    ):
+        self.layout, self.table, self.steps = layout, table, steps
+        self.part, self.parts, self.in_vocab = part, parts, in_vocab
+        self.source = source if source is not None else StoredStates(layout.paths)
+
+    def read(self, i: int, lo: int = 0, hi: int | None = None):
+        """Sample i as its source gives it (`StateSource.read_pack`), rows [lo, hi)."""
+        n = int(self.table.length[i])
+        return self.source.read_pack(self.table, (i,), [(lo, n if hi is None else hi)])[0]
 
     def __getitem__(self, pack: tuple[int, ...]) -> Batch:
         if not pack:
@@ -459,11 +514,8 @@ class PackDataset(Dataset):
         a, _, e = slice_rows(sum(lengths), self.steps, self.part, self.parts)
         # each sample's rows within the slice's [a, e)
         ranges = [(max(a - s, 0), min(e - s, n)) for s, n in zip(starts, lengths)]
-        if self.served is not None:
-            parts = self.served.read_pack(self.table, pack, ranges)
-        else:
-            parts = [self.read(i, lo, hi) for i, (lo, hi) in zip(pack, ranges)]
-        return build_batch(
+        parts = self.source.read_pack(self.table, pack, ranges)
+        batch = build_batch(
             torch.cat([p[0] for p in parts]).long(),
             torch.cat([p[1] for p in parts]).bool(),
             torch.cat([p[2] for p in parts]),
@@ -475,18 +527,13 @@ class PackDataset(Dataset):
             self.parts,
             self.in_vocab,
         )
+        batch.key = pack_key(pack)
+        return batch
 
     def padding(self) -> Batch:
         a, _, e = slice_rows(1, self.steps, self.part, self.parts)
-        # Zero states, the same in every draft.states mode: nothing is trained on them, and
-        # a streamed padding pack prefills nothing.
-        if self.served is not None:
-            ids, mask, hidden, scales = self.served.padding(self.table, e)
-        else:
-            i = int(self.table.train[0] if len(self.table.train) else self.table.heldout[0])
-            ids, mask, hidden, scales = self.read(i, 0, 1)
-            hidden = torch.zeros_like(hidden)
-            scales = torch.zeros_like(scales) if scales is not None else None
+        # Zero states, the same from every source: nothing is trained on them.
+        ids, mask, hidden, scales = self.source.padding(self.table, e)
         batch = build_batch(
             ids[:1].long(),
             mask[:1].bool(),
@@ -502,6 +549,11 @@ class PackDataset(Dataset):
         return batch
 
 
+def pack_key(pack) -> int:
+    """A pack's identity, from its sample indices (the same on every rank and in every run)."""
+    return zlib.crc32(np.asarray(pack, dtype=np.int64).tobytes()) or 1
+
+
 def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: bool):
     """Workers read and build the packs ahead of the step; the pinned host copy lets the
     device copy run asynchronously. num_workers 0: the packs are read in this process (the
@@ -515,3 +567,69 @@ def data_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin: b
         prefetch_factor=prefetch_factor if num_workers else None,
         pin_memory=pin,
     )
+
+
+# ---------------------------------------------------------------- the run's data
+
+
+@dataclass
+class TrainData:
+    """What the run trains and validates on, and how many steps that makes."""
+
+    layout: object  # ShardLayout
+    table: object  # SampleTable (training, held-out and cut samples)
+    plan: PackPlan
+    epoch_starts: list[int]  # first step of each epoch, the epochs' total last
+    total: int  # steps this run trains to (epochs, or max_steps when set)
+    eval_table: object  # the table whose held-out samples are validated on
+    source: StateSource  # where the states come from
+
+    @classmethod
+    def read(cls, source: StateSource, num_hidden_layers: int, cfg: TrainConfig, log):
+        """The samples of `source`'s shards, split, packed and counted into steps."""
+        layout = source.layout(num_hidden_layers)
+        table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
+        for c in table.cut:
+            log(
+                f"sample {c['sample_id']} of {c['shard']}: {c['tokens']} tokens, more than "
+                f"draft.max_sample_tokens = {cfg.max_sample_tokens}: NOT trained"
+            )
+        if not len(table.train):
+            raise ValueError(f"no training samples in {layout.paths} outside the held-out split")
+        plan = PackPlan(table, cfg.max_tokens, cfg.batch_packs, cfg.seed)
+        starts = plan.epoch_starts(cfg.epochs)
+        total = min(starts[-1], cfg.max_steps) if cfg.max_steps else starts[-1]
+        eval_table = table
+        if cfg.eval_samples and len(table.heldout) > cfg.eval_samples:
+            rng = np.random.default_rng([cfg.seed, 1 << 20])
+            pick = rng.choice(len(table.heldout), cfg.eval_samples, replace=False)
+            eval_table = replace(table, heldout=np.sort(table.heldout[pick]))
+        log(
+            f"{len(table.train)} training samples ({len(table.heldout)} held out, "
+            f"{len(table.cut)} not trained) in {plan.num_packs(0)} packs of up to "
+            f"{cfg.max_tokens} tokens; {cfg.epochs} epochs = {starts[-1]} steps of "
+            f"{cfg.batch_packs} packs; training {total}"
+        )
+        return cls(layout, table, plan, starts, total, eval_table, source)
+
+    def epoch_of(self, step: int) -> int:
+        return int(np.searchsorted(self.epoch_starts, step, side="right")) - 1
+
+    def loaders(self, cfg, start: int, end: int, rank: int, world: int, pin: bool, in_vocab):
+        """(training loader, its sampler, validation loader) of this rank: the ranks of one
+        sequence-parallel group read the same packs, each its own slice. With `mask_oov`,
+        training skips positions whose next token is outside the draft vocabulary
+        (`in_vocab`: t2d); validation never does (its acceptance counts every position)."""
+        parts = cfg.sequence_parallel
+        part, dp_rank, dp_world = rank % parts, rank // parts, world // parts
+        steps, oov = cfg.ttt_steps, in_vocab if cfg.mask_oov else None
+        source = self.source
+        dataset = PackDataset(self.layout, self.table, steps, part, parts, oov, source)
+        held_dataset = PackDataset(self.layout, self.table, steps, part, parts, None, source)
+        sampler = RankSampler(self.plan, self.epoch_starts, start, end, dp_rank, dp_world)
+        held = HeldoutSampler(self.eval_table, cfg.max_tokens, dp_rank, dp_world)
+        return (
+            data_loader(dataset, sampler, cfg.num_workers, cfg.prefetch_factor, pin),
+            sampler,
+            data_loader(held_dataset, held, 0, cfg.prefetch_factor, pin),  # no fork: see there
+        )

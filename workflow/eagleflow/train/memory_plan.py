@@ -246,8 +246,18 @@ def device_memory(device_memory_gb: float | None, device: torch.device) -> int |
     return None
 
 
-def draft_config_for(target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
-    """`DraftConfig.for_target` from a target's config.json (a wrapper's `text_config`)."""
-    if "hidden_size" not in target_config:
-        target_config = target_config["text_config"]
-    return DraftConfig.for_target(target_config, draft_vocab_size, num_aux, **overrides)
+def check_memory(draft_cfg, cfg, pack_tokens: int, world: int, device, log) -> MemoryPlan:
+    """Refuse, before the device is touched, a run whose largest pack (its slice per rank,
+    under sequence splitting) cannot fit; the plan goes to the log. `cfg`: the TrainConfig."""
+    workload = Workload(pack_tokens, cfg.ttt_steps, world, device.type, cfg.sequence_parallel)
+    plan = plan_memory(draft_cfg, workload, device_memory(cfg.device_memory_gb or None, device))
+    log(plan.describe())
+    try:
+        return check_plan(draft_cfg, plan)
+    except ValueError as e:
+        if pack_tokens > cfg.max_tokens:  # the pack of the longest sample, not max_tokens
+            raise type(e)(
+                f"{str(e).rstrip('.')}, or set draft.max_sample_tokens below the longest "
+                f"training sample ({pack_tokens} tokens, trained as a pack of its own)."
+            ) from None
+        raise

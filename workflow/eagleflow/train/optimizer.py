@@ -7,11 +7,14 @@ run on the whole matrix (the ranks exchange the shards), not on each rank's rows
 two-rank test checks that against one rank. Embeddings and the lm_head stay with AdamW
 (Keller Jordan's Muon; speculators alike): their rows are tokens, not directions.
 
-Every param group keeps its peak learning rate in `peak_lr`; the schedule scales it
-(`set_lr`), so Muon's and AdamW's peaks follow one warm-up and decay.
+Every param group keeps its peak learning rate in `peak_lr`; the schedule (`lr_factor`: a
+linear warm-up, then cosine to `min_lr_ratio`) scales it (`set_lr`), so Muon's and AdamW's
+peaks follow one warm-up and decay.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,3 +59,11 @@ def set_lr(optims, factor: float) -> None:
     for optim in optims:
         for group in optim.param_groups:
             group["lr"] = group["peak_lr"] * factor
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine down to min_ratio (of the peak lr)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

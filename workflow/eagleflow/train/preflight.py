@@ -44,18 +44,12 @@ def preflight(
     stream_layer_ids=None,
 ):
     """Before any rank starts: `Launch.check`, then the trainer's own memory check
-    (`eagleflow.train.train.check_memory`) of the draft at the target's shape and the
+    (`eagleflow.train.memory_plan.check_memory`) of the draft at the target's shape and the
     longest pack, at this launch's world size, on this node's first device (left to the
     ranks where the launcher sees no GPU). Reads the shards' offsets only.
     `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
     then the token shards)."""
-    launch.check(cfg.batch_packs, cfg.sequence_parallel)
-    if stream_layer_ids is not None and cfg.sequence_parallel > 1:
-        raise LaunchError(
-            f"draft.sequence_parallel = {cfg.sequence_parallel} with streamed states: every "
-            "rank of a pack would prefill it again; set draft.states to stored (or "
-            "draft.sequence_parallel to 1)"
-        )
+    launch.check(cfg.batch_packs, cfg.sequence_parallel, stream_layer_ids is not None)
     import torch
 
     if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
@@ -63,10 +57,10 @@ def preflight(
         return None
 
     from eagleflow.data.heldout import excluder
-    from eagleflow.draft.model import DraftConfig
+    from eagleflow.draft.model import draft_config_for
     from eagleflow.target.head import read_target_config
     from eagleflow.train.data import layout_of, read_layout, sample_table, shard_paths
-    from eagleflow.train.train import check_memory
+    from eagleflow.train.memory_plan import check_memory
 
     config = read_target_config(target)
     num_layers = int(config["num_hidden_layers"])
@@ -75,7 +69,7 @@ def preflight(
     else:
         layout = read_layout(shard_paths(shards), num_layers)
     table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
-    draft_cfg = DraftConfig.for_target(config, vocab.size, len(layout.aux_ids), **overrides)
+    draft_cfg = draft_config_for(config, vocab.size, len(layout.aux_ids), **overrides)
     device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
     pack_tokens = max(cfg.max_tokens, table.longest_train)
     return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)

@@ -27,9 +27,9 @@ def rank_env(environ) -> dict[str, str]:
 def main(argv=None) -> None:
     """One srun task: a rank of the trainer."""
     os.environ.update(rank_env(os.environ))
-    from eagleflow.train import train
+    from eagleflow.train import cli
 
-    train.main(argv)
+    cli.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where the trainer's states come from (`draft.states`, docs/streaming.md).
 
-- `stored`: the extracted shards on disk (`eagleflow.train.data.PackDataset.read`).
+- `stored`: the extracted shards on disk (`eagleflow.train.data.StoredStates`).
 - `stream`: nothing on disk. Each pack's samples are prefilled by the capture engine server
   (the extract jobs' server kind, plan and fingerprint: `eagleflow.extract.stream`) when a
   DataLoader worker asks for the pack; every epoch prefills again. The packs, their order and
@@ -31,6 +31,7 @@ from eagleflow.extract.stream import from_wire
 from eagleflow.serve.client import EngineClient, ServerSpec
 from eagleflow.store.quant import is_fp8, row_peaks
 from eagleflow.store.state_cache import StateCache, sample_index
+from eagleflow.train.data import ShardLayout, StateSource, layout_of
 
 MODES = ("stored", "stream", "cached")
 CAPTURE_SERVER = "eagleflow.extract.capture_server"
@@ -163,12 +164,26 @@ def check_sample(states, scales, ids, want_ids, dtype, n_layers: int, hidden: in
         raise StreamedStatesInvalid(f"{where}: {'; '.join(problems)}")
 
 
-class ServedStates:
-    """A pack's samples as `PackDataset.read` gives them, from the cache or the server."""
+class ServedStates(StateSource):
+    """The states of the token shards' samples, from the cache or the capture server (the
+    `StateSource` of `stream` and `cached`)."""
 
     def __init__(self, source: StreamSource, paths):
         self.source, self.paths = source, [str(p) for p in paths]
         self._shards: dict[int, TokenShard] = {}  # this process's (each worker's own)
+
+    def layout(self, num_hidden_layers: int) -> ShardLayout:
+        """The capture plan's layer ids (what the server streams, as a stored shard holds)."""
+        return layout_of(self.paths, self.source.plan.layer_ids, num_hidden_layers)
+
+    def prepare(self, table, log) -> None:
+        """Connect to the capture server before the first step (its model loads here, not in
+        the first step's data wait), unless every sample the run reads is cached."""
+        if self.all_cached(table):
+            log(f"draft.states {self.source.mode}: every sample is cached, no engine needed")
+        else:
+            engine = self.start_server(log)
+            log(f"draft.states {self.source.mode}: states from the capture server: {engine}")
 
     def shard(self, s: int) -> TokenShard:
         if s not in self._shards:
@@ -201,7 +216,7 @@ class ServedStates:
         out = []
         for k, ((s, j), (lo, hi)) in enumerate(zip(refs, ranges)):
             ids, mask = self.tokens(s, j)
-            states, scales, served_ids = got[k] if len(got[k]) == 3 else (*got[k], None)
+            states, scales, served_ids = got[k]
             check_sample(
                 states,
                 scales,
@@ -235,6 +250,13 @@ class ServedStates:
         states, scales = from_wire(answer["states"]), from_wire(answer["scales"])
         ids = from_wire(answer["input_ids"])
         offsets = answer["offsets"]
+        if len(offsets) != len(refs) + 1:
+            got = max(len(offsets) - 1, 0)
+            missing = self.where(*refs[min(got, len(refs) - 1)])
+            raise StreamedStatesInvalid(
+                f"the capture server answered {got} of {len(refs)} samples asked for; "
+                f"{missing} is missing"
+            )
         out = {}
         for k, a, b in zip(keys, offsets, offsets[1:]):
             out[k] = (states[a:b], scales[a:b] if scales is not None else None, ids[a:b])

@@ -107,7 +107,7 @@ class Watchdog:
             f"{self.slowest_step_s:.1f} s)"
         )
         message = (
-            f"eagleflow.train.train: rank {self.rank} (pid {os.getpid()}) stalled: it waited "
+            f"eagleflow.train: rank {self.rank} (pid {os.getpid()}) stalled: it waited "
             f"{waited:.0f} s for {what}, beyond {limit}. Every thread's stack follows. The job "
             "fails so that its rerun resumes from the last checkpoint; if the wait was "
             "legitimate, raise draft.stall_timeout."
