@@ -23,6 +23,7 @@ from eagleflow.store.integrity import (
     set_aside_incomplete_manifest,
 )
 from eagleflow.extract.fingerprint import config_fingerprint
+from eagleflow.evaluate.sets import HELDOUT as HELDOUT_SET, set_files, sets_from_config
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.checks import check_target_code, check_target_path
 from eagleflow.target.info import TOKENIZER_FILES, TargetError, read_target
@@ -250,6 +251,26 @@ def evaluation_outputs(wildcards):
     draft trained on, exported from and evaluated against extraction {fp}."""
     fp = os.path.basename(hidden_dir())
     return [f"{R}/draft/{fp}/vocab.json", f"{R}/eval/{fp}/acceptance.json"]
+
+
+def evaluation_set_files():
+    """The files of evaluate.sets that are the user's (not embedded, not the held-out split's
+    data.path), as the evaluate rule's inputs, so that an edited set re-evaluates. A missing
+    one is left out here: validate_env, and the evaluate job again, stop on it naming it.
+    """
+    sets = [s for s in sets_from_config(config) if s.format != HELDOUT_SET]
+    return [f for f in set_files(sets) if os.path.exists(f)]
+
+
+def evaluation_given_draft():
+    """evaluate.draft's exported draft (config.json and its weights), when set."""
+    given = config["evaluate"].get("draft")
+    if not given:
+        return []
+    return [
+        os.path.join(given, "config.json"),
+        os.path.join(given, "model.safetensors"),
+    ]
 
 
 def regeneration_done():

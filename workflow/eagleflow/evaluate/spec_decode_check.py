@@ -109,6 +109,66 @@ def run(
     }
 
 
+def run_conversations(
+    settings: EngineSettings, speculation: Speculation, items: list[dict], job: dict
+) -> dict:
+    """One engine load (target + this speculation) for every prompt of every set, one
+    prompt at a time, turn by turn (`eagleflow.evaluate.turns`). `items`: {`messages`,
+    `followups`}; `job`: `max_tokens`, `temperature`, `seed`, `max_prompt_tokens`,
+    `chat_template_kwargs`. Each prompt's counters are the difference of vLLM's cumulative
+    counters around its turns; `counters` are vLLM's own totals at the end."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagleflow.engine.builder import build_engine
+    from eagleflow.evaluate.turns import chat_renderer, run_conversation
+    from eagleflow.target.load import load_tokenizer
+
+    t0 = time.time()
+    llm = build_engine(
+        settings,
+        speculative_config=speculation.config(),
+        disable_log_stats=False,  # the spec-decode counters are stats
+        enable_prefix_caching=False,
+    )
+    started = time.time() - t0
+    tok = load_tokenizer(settings.target)
+    sampling = SamplingParams(
+        temperature=float(job["temperature"]),
+        seed=int(job["seed"]),
+        max_tokens=int(job["max_tokens"]),
+    )
+
+    def generate(ids: list[int]):
+        before = spec_counters(llm.get_metrics())
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids), counter_difference(
+            spec_counters(llm.get_metrics()), before
+        )
+
+    t1 = time.time()
+    records = [
+        run_conversation(
+            item,
+            chat_renderer(tok, job.get("chat_template_kwargs")),
+            generate,
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            speculation.k,
+            job.get("max_prompt_tokens"),
+        )
+        for item in items
+    ]
+    return {
+        "k": speculation.k,
+        "method": speculation.method,
+        "engine_loads": 1,
+        "engine_start_s": round(started, 1),
+        "generate_s": round(time.time() - t1, 2),
+        "counters": spec_counters(llm.get_metrics()),
+        "records": records,
+    }
+
+
 def counter_difference(after: dict, before: dict) -> dict:
     """`after` - `before` for counters from `spec_counters` (a counter missing before is 0)."""
     out = {}
@@ -132,15 +192,32 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt", action="append")
+    p.add_argument(
+        "--conversations",
+        help="JSON file {items: [{messages, followups}], job: {...}} (run_conversations)",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.method == "eagle3" and not a.draft:
+        p.error("--draft is required for method eagle3")
+    if a.conversations:
+        with open(a.conversations) as f:
+            given = json.load(f)
+        result = run_conversations(
+            EngineSettings(**json.loads(a.engine)),
+            Speculation(a.method, a.k, a.draft),
+            given["items"],
+            given["job"],
+        )
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+        print(json.dumps({k: v for k, v in result.items() if k != "records"}))
+        return
     if a.prompt_ids:
         with open(a.prompt_ids) as f:
             prompts = json.load(f)
     else:
         prompts = a.prompt or ["What is 12 plus 7?", "Spell the word cat."]
-    if a.method == "eagle3" and not a.draft:
-        p.error("--draft is required for method eagle3")
     result = run(
         EngineSettings(**json.loads(a.engine)),
         Speculation(a.method, a.k, a.draft),
