@@ -465,3 +465,97 @@ def test_the_table_is_set_by_k_with_engine_temperature_target_and_both_drafts(tm
     assert "| vLLM eagle3 | 1 | 0.7, seed 5 | 1.50 | 1.75 |" in acceptance_markdown(sampled)
     plot_sweep(fake_report(tmp_path), tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_evaluate_measures_every_set_at_every_k_and_writes_json_table_and_plot(
+    tmp_path, monkeypatch
+):
+    """The evaluate job's wiring with the loads stood in for (the engines are the end-to-end
+    test's, test_draft.py): every set's prompts reach every load in one list, each load's
+    per-prompt records come back per set and k, a failed load is recorded for every set, and
+    the report names both drafts, the temperature and the loads."""
+    import eagleflow.evaluate.acceptance as acc
+    from eagleflow.engine.settings import EngineSettings
+
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(60)],
+    )
+    mt = write_jsonl(tmp_path / "q.jsonl", MT_BENCH)
+    seen = []
+
+    def fake_records(items, k):
+        return [
+            {
+                "counters": {
+                    "num_drafts": 2,
+                    "num_draft_tokens": 2 * k,
+                    "num_accepted_tokens": min(k, 1 + len(it["followups"])),
+                    "num_accepted_tokens_per_pos": [1] + [0] * (k - 1),
+                },
+                "turns": [[7]] * (1 + len(it["followups"])),
+                "replies": ["x"] * (1 + len(it["followups"])),
+                "prompt_tokens": [3] * (1 + len(it["followups"])),
+                "turns_skipped": 0,
+            }
+            for it in items
+        ]
+
+    def fake_vllm(engine, speculation, items, job, workdir, log=print, tag=""):
+        seen.append((speculation.method, speculation.k, speculation.draft, len(items)))
+        if tag:
+            return {"error": "exit 1", "stderr_tail": "not an EAGLE-3 draft"}
+        return {"counters": {"num_drafts": 1}, "records": fake_records(items, speculation.k)}
+
+    def fake_reference(target_dir, draft_dir, items, ks, job):
+        seen.append(("reference", tuple(ks), draft_dir, len(items)))
+        return {k: {"records": fake_records(items, k)} for k in ks}
+
+    monkeypatch.setattr(acc, "run_vllm_sets", fake_vllm)
+    monkeypatch.setattr(acc, "run_reference_sets", fake_reference)
+    config = {
+        "data": {"path": data, "heldout_modulus": 3, "max_length": 512},
+        "evaluate": {
+            "speculative_tokens": [1, 2],
+            "num_prompts": 4,
+            "max_tokens": 8,
+            "paths": ["vllm_eagle3", "reference"],
+            "sets": [{"name": "heldout"}, {"name": "mt_bench", "path": mt}],
+            "draft": str(tmp_path / "downloaded"),
+        },
+    }
+    out = [tmp_path / n for n in ("acceptance.json", "acceptance.png", "acceptance.md")]
+    report = acc.evaluate(
+        EngineSettings(target="t"), "export", data, EvalSettings.from_config(config), out,
+        tmp_path / "work", log=lambda line: None,
+    )  # fmt: skip
+    held = report["sets"]["heldout"]
+    assert held["prompts"] == 4 and report["sets"]["mt_bench"]["categories"] == {
+        "writing": 2,
+        "math": 1,
+    }
+    n = 4 + 3
+    given = str(tmp_path / "downloaded")
+    assert seen == [
+        ("eagle3", 1, "export", n),
+        ("eagle3", 2, "export", n),
+        ("eagle3", 1, given, n),
+        ("eagle3", 2, given, n),
+        ("reference", (1, 2), "export", n),
+        ("reference", (1, 2), given, n),
+    ]
+    assert report["engine_loads"] == 4 and report["ks"] == [1, 2]
+    mt_k2 = report["runs"]["mt_bench"]["2"]
+    # two-turn prompts: 2 accepted of 2 drafts; one-turn: 1 of 2
+    assert mt_k2["vllm_eagle3"]["acceptance_length"] == 1 + 5 / 6
+    assert mt_k2["vllm_eagle3"]["by_category"]["math"]["acceptance_length"] == 2.0
+    assert mt_k2["vllm_eagle3 (evaluate.draft)"]["error"] == "exit 1"
+    assert report["runs"]["heldout"]["1"]["vllm_eagle3 (evaluate.draft)"]["error"] == "exit 1"
+    assert report["results"] is not None and report["results"]["vllm_eagle3"]["prompts"] == 4
+    ref = mt_k2["vllm_eagle3"]["greedy_agreement_with_reference"]
+    assert ref["identical_prompts"] == 1.0
+    assert json.loads(out[0].read_text())["runs"]["heldout"]["1"]["reference"]["prompts"] == 4
+    md = out[2].read_text()
+    assert f"| draft (evaluate.draft) | `{given}` |" in md
+    assert "| vLLM eagle3 | 2 | 0 (greedy) | 1.50 | 1.83 |" in md
+    assert out[1].stat().st_size > 1000

@@ -607,7 +607,8 @@ def split_by_set(prompts, run: dict, k: int) -> dict:
         idx = [i for i, p in enumerate(prompts) if p.set == name]
         records = [run["records"][i] for i in idx]
         figures = aggregate(records, k)
-        figures["texts"] = [r["replies"] for r in records]
+        figures["texts"] = [r["replies"] for r in records]  # each prompt's replies, per turn
+        figures["prompt_tokens"] = [r["prompt_tokens"] for r in records]  # per turn
         cats = by_category([prompts[i].category for i in idx], records, k)
         if cats:
             figures["by_category"] = cats
