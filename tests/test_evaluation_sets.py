@@ -296,6 +296,11 @@ def test_runtime_counts_a_load_per_k_and_every_sets_turns():
     # 10 held-out prompts and 5 of two turns: 2 x 20 x 300 tokens (4 min): 1.5 x 6 + 2
     sets = [{"name": "heldout"}, {"name": "mt", "format": "mt_bench", "limit": 5}]
     assert evaluate_runtime_minutes({**ev, "sets": sets}, 1, 50) == 11
+    # evaluate.speed: the target alone and the eagle3 engine, 1 + 8 requests of 300 tokens
+    # each (1.8 min) and one load more: 1.5 x (3 + 2 + 1.8) + 2
+    assert (
+        evaluate_runtime_minutes({**ev, "speed": True, "speed_concurrencies": [1, 8]}, 1, 50) == 13
+    )
 
 
 # ---------------------------------------------------------------- the AL definition
@@ -559,3 +564,75 @@ def test_evaluate_measures_every_set_at_every_k_and_writes_json_table_and_plot(
     assert f"| draft (evaluate.draft) | `{given}` |" in md
     assert "| vLLM eagle3 | 2 | 0 (greedy) | 1.50 | 1.83 |" in md
     assert out[1].stat().st_size > 1000
+
+
+# ---------------------------------------------------------------- evaluate.speed
+
+
+def test_speed_submits_c_requests_together_and_counts_their_tokens():
+    from types import SimpleNamespace
+
+    from eagleflow.evaluate.spec_decode_check import measure_speed
+
+    calls = []
+
+    def generate(batch, sampling, use_tqdm=False):
+        calls.append(list(batch))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * sampling)])] * len(batch)
+
+    rows = measure_speed(generate, ["a", "b", "c"], [1, 4], 5)  # 5 tokens per request
+    assert calls == [["a"], ["a"], ["a", "b", "c", "a"]]  # a warm-up, then c requests at once
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert [r["output_tokens"] for r in rows] == [5, 20]
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert measure_speed(generate, [], [1], 5) == []
+
+
+def test_speed_ratio_and_its_table_marked_on_a_cpu():
+    from eagleflow.evaluate.acceptance import TARGET_ALONE, speed_summary
+    from eagleflow.evaluate.report import speed_markdown
+
+    runs = {
+        (TARGET_ALONE, 0): [
+            {"concurrency": 1, "tokens_per_second": 100.0},
+            {"concurrency": 8, "tokens_per_second": 400.0},
+        ],
+        ("vllm_eagle3", 3): [
+            {"concurrency": 1, "tokens_per_second": 250.0},
+            {"concurrency": 8, "tokens_per_second": 600.0},
+        ],
+    }
+    cpu = speed_summary(runs, "cpu")
+    assert [(r["concurrency"], r["speedup"]) for r in cpu["rows"]] == [(1, 2.5), (8, 1.5)]
+    assert cpu["representative"] is False and "not representative" in cpu["note"]
+    md = "\n".join(speed_markdown(cpu, "0 (greedy)"))
+    assert "**measured on a CPU engine: not representative of a GPU's speed-up.**" in md
+    assert "| vLLM eagle3 | 3 | 0 (greedy) | 1 | 100.0 | 250.0 | 2.50x |" in md
+    gpu = speed_summary(runs, "cuda")
+    assert gpu["representative"] is True and "not representative" not in "\n".join(
+        speed_markdown(gpu, "0 (greedy)")
+    )
+    failed = speed_summary({**runs, (TARGET_ALONE, 0): {"error": "exit 1"}}, "cuda")
+    assert [r["speedup"] for r in failed["rows"]] == [None, None]
+    # planning: one engine more, the target alone, first
+    assert plan_loads(["vllm_eagle3"], [3], {"": "e"}, speed=True) == [
+        Load(TARGET_ALONE, (0,), None),
+        Load("vllm_eagle3", (3,), "e"),
+    ]
+
+
+def test_gpu_examples_turn_speed_on_and_the_default_leaves_it_off():
+    from snakemake.utils import validate
+
+    schema = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate(default, schema)
+    assert default["evaluate"]["speed"] is False
+    for name in (
+        "kimi-k2.5-tp8.yaml",
+        "deepseek-v3-tp8.yaml",
+        "qwen3-32b-tp4-extract-hidden-states.yaml",
+    ):
+        example = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
+        assert example["evaluate"]["speed"] is True, name
+        assert example["evaluate"]["speed_concurrencies"] == [1, 8, 32], name

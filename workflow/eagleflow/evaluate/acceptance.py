@@ -469,6 +469,8 @@ class EvalSettings:
     sets: tuple = ()  # PromptSets (eagleflow.evaluate.sets); () : the held-out split
     given_draft: str | None = None  # evaluate.draft: another exported draft, side by side
     max_prompt_tokens: int | None = None  # longer turns are not generated (data.max_length)
+    speed: bool = False  # output tokens/s with and without the draft (evaluate.speed)
+    speed_concurrencies: tuple[int, ...] = (1, 8, 32)
 
     @property
     def k(self) -> int:  # the first k (benchmarks that measure one)
@@ -492,6 +494,8 @@ class EvalSettings:
             sets=tuple(sets_from_config(config)),
             given_draft=ev.get("draft"),
             max_prompt_tokens=config["data"]["max_length"],
+            speed=bool(ev.get("speed", False)),
+            speed_concurrencies=tuple(ev.get("speed_concurrencies") or (1, 8, 32)),
         )
 
 
@@ -506,11 +510,16 @@ class Load:
     draft: str | None  # the exported draft (None: n-gram)
 
 
-def plan_loads(paths, ks, drafts: dict[str, str]) -> list[Load]:
+TARGET_ALONE = "vllm_target_alone"  # the speed baseline: the target without speculation
+
+
+def plan_loads(paths, ks, drafts: dict[str, str], speed: bool = False) -> list[Load]:
     """The loads measuring `paths` at every k of `ks` for each draft of `drafts` (suffix ->
     export directory: "" this run's, GIVEN evaluate.draft's); the n-gram baseline does not
-    depend on a draft and is measured once."""
-    loads = []
+    depend on a draft and is measured once. `speed`: one more engine, the target alone, whose
+    tokens/s the eagle3 engines' are divided by (they measure theirs after their acceptance
+    figures, with no load of their own)."""
+    loads = [Load(TARGET_ALONE, (0,), None)] if speed else []
     for path in paths:
         for suffix, draft in drafts.items():
             if path == "vllm_ngram":
@@ -663,23 +672,27 @@ def evaluate(
     drafts = {"": str(export_dir)}
     if cfg.given_draft:
         drafts[GIVEN] = str(cfg.given_draft)
-    loads = plan_loads(cfg.paths, cfg.ks, drafts)
+    loads = plan_loads(cfg.paths, cfg.ks, drafts, cfg.speed)
     log(
         f"{len(loads)} model loads planned (vLLM fixes k when an engine is built; the reference "
         "loop serves every k): " + ", ".join(f"{x.path} k={list(x.ks)}" for x in loads)
     )
     runs = {s.name: {k: {} for k in cfg.ks} for s in sets}
-    engine_loads, load_log = 0, []
+    engine_loads, load_log, speed_runs = 0, [], {}
     for load in loads:
         t0 = time.time()
         try:
             if load.path.startswith("reference"):
                 got = run_reference_sets(target_dir, load.draft, items, load.ks, job)
             else:
-                method = VLLM_METHODS[load.path.removesuffix(GIVEN)]
+                method = VLLM_METHODS.get(load.path.removesuffix(GIVEN), "none")
                 speculation = Speculation(method, load.ks[0], load.draft)
                 tag = "-given" if load.path.endswith(GIVEN) else ""
-                run = run_vllm_sets(engine, speculation, items, job, workdir, log, tag)
+                timed = cfg.speed and method in ("eagle3", "none")
+                speed_job = {**job, "speed_concurrencies": list(cfg.speed_concurrencies)}
+                run = run_vllm_sets(
+                    engine, speculation, items, speed_job if timed else job, workdir, log, tag
+                )
                 got = {load.ks[0]: run}
                 engine_loads += 1
         except Exception as e:  # a failing path is reported, the others still measured
@@ -689,6 +702,12 @@ def evaluate(
         entry["counters"] = {str(k): run["counters"] for k, run in got.items() if "counters" in run}
         load_log.append(entry)
         for k, run in got.items():
+            if "speed" in run:
+                speed_runs[(load.path, k)] = run["speed"]
+            if load.path == TARGET_ALONE:
+                if "error" in run:
+                    speed_runs[(load.path, k)] = {"error": run["error"]}
+                continue
             if "error" in run:
                 log(f"{load.path} k={k}: {run['error']}")
                 failed = {x: run[x] for x in ("error", "stderr_tail") if x in run}
@@ -738,11 +757,49 @@ def evaluate(
         "runs": {name: {str(k): v for k, v in by_k.items()} for name, by_k in runs.items()},
         "results": first,  # the first set at the first k
     }
+    if cfg.speed:
+        report["speed"] = speed_summary(speed_runs, engine.device)
+        log(f"speed: {json.dumps(report['speed'])}")
     out_json, out_png, out_md = outputs
     Path(out_json).write_text(json.dumps(report, indent=1))
     plot_sweep(report, out_png)
     Path(out_md).write_text(acceptance_markdown(report))
     return report
+
+
+def speed_summary(speed_runs: dict, device: str) -> dict:
+    """Output tokens/s per concurrency of the target alone and of each eagle3 engine (path, k),
+    and their ratio (the speed-up); marked not representative on a CPU, where vLLM's kernels
+    and a 2-core machine say nothing about a GPU's."""
+    alone = speed_runs.get((TARGET_ALONE, 0)) or []
+    base = {} if isinstance(alone, dict) else {r["concurrency"]: r for r in alone}
+    rows = []
+    for (path, k), runs in speed_runs.items():
+        if path == TARGET_ALONE or isinstance(runs, dict):
+            continue
+        for r in runs:
+            b = base.get(r["concurrency"])
+            rows.append(
+                {
+                    "path": path,
+                    "k": k,
+                    "concurrency": r["concurrency"],
+                    "tokens_per_second": r["tokens_per_second"],
+                    "target_alone_tokens_per_second": b["tokens_per_second"] if b else None,
+                    "speedup": round(r["tokens_per_second"] / b["tokens_per_second"], 3)
+                    if b
+                    else None,
+                }
+            )
+    return {
+        "device": device,
+        "representative": device != "cpu",
+        "note": None
+        if device != "cpu"
+        else "measured on a CPU engine: not representative of a GPU's speed-up",
+        "target_alone": alone,
+        "rows": rows,
+    }
 
 
 def engine_description(engine: EngineSettings) -> str:

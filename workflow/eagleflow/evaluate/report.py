@@ -113,7 +113,29 @@ def acceptance_markdown(report: dict) -> str:
             + ", ".join(f"{s}: {n}" for s, n in skipped.items() if n)
             + ".",
         ]
+    lines += speed_markdown(report.get("speed"), temp)
     return "\n".join(lines) + "\n"
+
+
+def speed_markdown(speed: dict | None, temp: str) -> list[str]:
+    """The speed-up section: output tokens/s with and without the draft per concurrency."""
+    if not speed:
+        return []
+    lines = ["", "## Speed-up (output tokens/s, the same prompts and engine settings)", ""]
+    if not speed.get("representative", True):
+        lines += [f"**{speed['note']}.**", ""]
+    head = ["engine", "k", "temperature", "concurrency", "target alone", "with draft", "ratio"]
+    lines += [_row(head), _row(["---"] * len(head))]
+    for r in speed["rows"]:
+        alone = r["target_alone_tokens_per_second"]
+        ratio = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(
+            _row(
+                [path_label(r["path"]), r["k"], temp, r["concurrency"]]
+                + [alone if alone is not None else "failed", r["tokens_per_second"], ratio]
+            )
+        )
+    return lines
 
 
 def plot_sweep(report: dict, path) -> None:

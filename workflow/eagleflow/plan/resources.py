@@ -179,8 +179,8 @@ def evaluate_runtime_minutes(
     """SLURM time limit of the evaluate job: one target load per vLLM path and k (vLLM fixes k
     when an engine is built) and one for the reference loop, doubled with evaluate.draft, and
     every path's tokens at every k (prompts of each set, its limit or num_prompts, x 2 turns
-    for MT-Bench-style sets, x max_tokens) at the decode rate, with the extract jobs' margin
-    and start-up, times attempt."""
+    for MT-Bench-style sets, x max_tokens) at the decode rate, with evaluate.speed's engine
+    and requests, with the extract jobs' margin and start-up, times attempt."""
     k = evaluate.get("speculative_tokens", 3)
     ks = len(k) if isinstance(k, list) else 1
     paths = list(evaluate["paths"])
@@ -194,5 +194,10 @@ def evaluate_runtime_minutes(
         for s in sets
     )
     tokens = len(paths) * ks * drafts * prompts * int(evaluate["max_tokens"])
+    if evaluate.get("speed"):  # the target alone, then every eagle3 engine, at each concurrency
+        loads += 1
+        timed = 1 + ("vllm_eagle3" in paths) * ks * drafts
+        concurrency = sum(evaluate.get("speed_concurrencies") or [1, 8, 32])
+        tokens += timed * concurrency * int(evaluate["max_tokens"])
     est = RUNTIME_MARGIN * (loads * load_minutes + tokens / decode_tokens_per_second / 60)
     return math.ceil(est + STARTUP_MINUTES) * max(1, attempt)
