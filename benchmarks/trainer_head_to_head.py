@@ -464,8 +464,6 @@ class RunSetup:
         target = str(Path(args.target).resolve())
         config["target"]["path"] = target
         ev = EvalSettings.from_config(config)
-        if len(ev.ks) > 1:  # one k, as the recorded runs measured (k = 3), not the k sweep
-            ev = replace(ev, ks=(3,) if 3 in ev.ks else ev.ks[:1])
         dataset = args.dataset or config["data"]["path"]
         prompts = load_prompts(dataset, target, ev.num_prompts, modulus)
         engine = EngineSettings.from_config(config, "evaluate")
