@@ -175,12 +175,12 @@ def test_the_schema_takes_a_k_list_and_sets_and_refuses_bad_ones():
     assert config["evaluate"]["draft"] is None
     assert [s["name"] for s in config["evaluate"]["sets"]] == ["heldout", "humaneval"]
     settings = EvalSettings.from_config(config)
-    assert settings.ks == (1, 3, 5) and settings.k == 1
+    assert settings.ks == (1, 3, 5) and settings.k == 3  # the cards' k heads the report
     assert [s.path for s in settings.sets] == [config["data"]["path"], "embedded:humaneval"]
     one = copy.deepcopy(base)
     one["evaluate"]["speculative_tokens"] = 4
     validate(one, schema)
-    assert EvalSettings.from_config(one).ks == (4,)
+    assert EvalSettings.from_config(one).ks == (4,) and EvalSettings.from_config(one).k == 4
     for bad in (
         {"speculative_tokens": [0, 3]},
         {"speculative_tokens": []},
