@@ -81,6 +81,7 @@ def test_each_published_format_is_detected_and_read(tmp_path):
     assert mt[0].messages == ({"role": "user", "content": "Write a poem."},)
     assert mt[0].followups == ("Now shorter.",) and mt[2].followups == ()
     assert [p.category for p in mt] == ["writing", "math", "writing"]
+    assert {p.format for p in mt} == {"mt_bench"}  # detected
     (gsm,) = read_set(PromptSet("gsm", files["gsm"]), 10)
     assert gsm.messages[0]["content"] == "Q1?" and gsm.category is None
     (math,) = read_set(PromptSet("math", files["math"]), 10)
@@ -535,6 +536,7 @@ def test_evaluate_measures_every_set_at_every_k_and_writes_json_table_and_plot(
         tmp_path / "work", log=lambda line: None,
     )  # fmt: skip
     held = report["sets"]["heldout"]
+    assert report["sets"]["mt_bench"]["format"] == "mt_bench"
     assert held["prompts"] == 4 and report["sets"]["mt_bench"]["categories"] == {
         "writing": 2,
         "math": 1,

@@ -656,13 +656,13 @@ def evaluate(
         cats = [p.category for p in got if p.category is not None]
         set_info[s.name] = {
             "path": s.path,
-            "format": s.format,
+            "format": got[0].format if got else s.format,  # as detected
             "prompts": len(got),
             "turns": sum(1 + len(p.followups) for p in got),
             "sample_ids": [p.id for p in got],
             "categories": {c: cats.count(c) for c in dict.fromkeys(cats)},
         }
-        log(f"set {s.name}: {len(got)} prompts from {s.path} ({s.format})")
+        log(f"set {s.name}: {len(got)} prompts from {s.path} ({set_info[s.name]['format']})")
     items = conversation_items(prompts)
     job = {
         "max_tokens": cfg.max_tokens,

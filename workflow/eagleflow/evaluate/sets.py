@@ -29,7 +29,7 @@ import gzip
 import importlib.util
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eagleflow.logs import UserError
@@ -64,6 +64,7 @@ class EvalPrompt:
     followups: tuple[str, ...] = ()
     category: str | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    format: str = ""  # the format the row was read in (detected or stated)
 
 
 def sets_from_config(config: dict) -> list[PromptSet]:
@@ -213,7 +214,7 @@ def read_set(s: PromptSet, default_limit: int, heldout_modulus: int = 20) -> lis
                     "(turns, messages, conversations, prompt, question, problem); set `format`"
                 )
         try:
-            out.append(_prompt(s, fmt, record, row))
+            out.append(replace(_prompt(s, fmt, record, row), format=fmt))
         except ValueError as e:
             raise SetError(f"evaluate set {s.name}: {path}, row {row}: {e} ({fmt} format)") from e
     if not out:
@@ -235,6 +236,7 @@ def _heldout(s: PromptSet, limit: int, modulus: int) -> list[EvalPrompt]:
             p["sample_id"],
             tuple(p["messages"]),
             meta={"reference": p["reference"]},
+            format=HELDOUT,
         )
         for p in heldout_prompts(conversations, modulus, limit)
     ]
