@@ -360,11 +360,12 @@ DRAFT_RUN = {
 }
 
 # The one-rank run's evaluation as a user compares it with published cards: the held-out
-# split, a small MT-Bench file in its published format (two turns, categories), the embedded
-# HumanEval's first problem, at k = 1 and 2 (one engine more than one k).
+# split, a small MT-Bench file in its published format (categories; one question of two turns,
+# one of a single turn, to keep the reference loop's turns few), the embedded HumanEval's first
+# problem, at k = 1 and 2 (one engine more than one k).
 MT_BENCH_ROWS = [
     {"question_id": 81, "category": "writing", "turns": ["Tell me a story.", "Make it shorter."]},
-    {"question_id": 82, "category": "reasoning", "turns": ["What is two plus two?", "Why?"]},
+    {"question_id": 82, "category": "reasoning", "turns": ["What is two plus two?"]},
 ]
 
 
@@ -472,6 +473,7 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
     assert all(is_heldout(s) for s in report["heldout"]["sample_ids"])
     assert report["sets"]["heldout"]["prompts"] == 3
     assert report["sets"]["mt_bench"]["categories"] == {"writing": 1, "reasoning": 1}
+    assert report["sets"]["mt_bench"]["format"] == "mt_bench"  # detected
     assert report["sets"]["humaneval"]["sample_ids"] == ["HumanEval/0"]
     # one vLLM engine per k; the reference loop loads once for both
     assert report["engine_loads"] == 2
@@ -508,13 +510,16 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
 
     render = chat_renderer(load_tokenizer(work / report["target"]))
     mt = report["runs"]["mt_bench"]["2"]["vllm_eagle3"]
-    assert [len(t) for t in mt["texts"]] == [2, 2]
-    for row, replies, lengths in zip(MT_BENCH_ROWS, mt["texts"], mt["prompt_tokens"]):
-        first, second = row["turns"]
-        history = [{"role": "user", "content": first}]
-        assert lengths[0] == len(render(history))
-        history += [{"role": "assistant", "content": replies[0]}]
-        assert lengths[1] == len(render(history + [{"role": "user", "content": second}]))
+    assert [len(t) for t in mt["texts"]] == [2, 1] and report["sets"]["mt_bench"]["turns"] == 3
+    (first, second), replies, lengths = (
+        MT_BENCH_ROWS[0]["turns"],
+        mt["texts"][0],
+        mt["prompt_tokens"][0],
+    )
+    history = [{"role": "user", "content": first}]
+    assert lengths[0] == len(render(history))
+    history += [{"role": "assistant", "content": replies[0]}]
+    assert lengths[1] == len(render(history + [{"role": "user", "content": second}]))
     assert set(mt["by_category"]) == {"writing", "reasoning"}
     table = (results / "eval" / out["fp"] / "acceptance.md").read_text()
     assert "| engine | k | temperature | heldout | mt_bench | humaneval |" in table
