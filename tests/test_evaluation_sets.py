@@ -258,6 +258,16 @@ def test_reference_loop_runs_turns_with_the_same_counters(monkeypatch):
     assert c["num_accepted_tokens"] == 3 and c["num_accepted_tokens_per_pos"] == [3, 0, 0]
 
 
+def test_the_reference_loop_is_not_measured_above_temperature_zero():
+    """It is greedy: at temperature > 0 it refuses before loading anything (the evaluation
+    records the refusal for that path and measures the others)."""
+    import eagleflow.evaluate.acceptance as acc
+
+    job = {"temperature": 0.7, "seed": 0, "max_tokens": 4}
+    with pytest.raises(ValueError, match="greedy: not measured at temperature > 0"):
+        acc.run_reference_sets("no-target", "no-draft", [], [1], job)
+
+
 # ---------------------------------------------------------------- loads of the k sweep
 
 

@@ -69,7 +69,7 @@ def acceptance_markdown(report: dict) -> str:
             )
         )
     if "cpu" in str(report.get("engine", "")).lower():
-        lines.append(_row(["note", "on a CPU engine; acceptance length does not depend on it"]))
+        lines.append(_row(["note", "a CPU engine: speed figures, if any, are not representative"]))
     lines += ["", DEFINITION, "", "## As published cards report it", ""]
     lines.append(_row(["engine", "k", "temperature"] + sets))
     lines.append(_row(["---"] * (3 + len(sets))))
