@@ -263,14 +263,10 @@ def evaluation_set_files():
 
 
 def evaluation_given_draft():
-    """evaluate.draft's exported draft (config.json and its weights), when set."""
+    """evaluate.draft's config.json, when set (its weights may be named or sharded as its
+    publisher chose; vLLM finds them)."""
     given = config["evaluate"].get("draft")
-    if not given:
-        return []
-    return [
-        os.path.join(given, "config.json"),
-        os.path.join(given, "model.safetensors"),
-    ]
+    return [os.path.join(given, "config.json")] if given else []
 
 
 def regeneration_done():
