@@ -357,8 +357,33 @@ DRAFT_RUN = {
         "max_tokens": 10,
         "speculative_tokens": 2,
         "paths": ["vllm_eagle3", "reference"],
+        "sets": [{"name": "heldout"}],
     },
 }
+
+# The one-rank run's evaluation as a user compares it with published cards: the held-out
+# split, a small MT-Bench file in its published format (categories; one question of two turns,
+# one of a single turn, to keep the reference loop's turns few), the embedded HumanEval's first
+# problem, at k = 1 and 2 (one engine more than one k).
+MT_BENCH_ROWS = [
+    {"question_id": 81, "category": "writing", "turns": ["Tell me a story.", "Make it shorter."]},
+    {"question_id": 82, "category": "reasoning", "turns": ["What is two plus two?"]},
+]
+
+
+def compared_sets(folder: Path) -> dict:
+    mt = folder / "question.jsonl"
+    mt.write_text("".join(json.dumps(r) + "\n" for r in MT_BENCH_ROWS))
+    return {
+        "evaluate": {
+            "speculative_tokens": [1, 2],
+            "sets": [
+                {"name": "heldout"},
+                {"name": "mt_bench", "path": str(mt)},
+                {"name": "humaneval", "path": "embedded:humaneval", "limit": 1},
+            ],
+        }
+    }
 
 
 def draft_run(extracted_workdir, work, override=None, target="all"):
@@ -401,7 +426,9 @@ def assert_same_export(work: Path, reference: Path, rtol: float):
 def one_rank(extracted_workdir, tmp_path_factory):
     """The draft of the small default trained, exported and evaluated at one rank."""
     work = tmp_path_factory.mktemp("draft-one-rank") / "run"
-    proc, config = draft_run(extracted_workdir, work)
+    proc, config = draft_run(
+        extracted_workdir, work, compared_sets(tmp_path_factory.mktemp("sets"))
+    )
     return work, proc, config
 
 
@@ -469,20 +496,73 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
     kept = sorted(d.name for d in (work_dir / "checkpoints").iterdir())
     assert kept[-1] == "step-00000012" and len(kept) <= 2
     report = out["acceptance"]
-    assert report["k"] == 2 and all(is_heldout(s) for s in report["heldout"]["sample_ids"])
-    eagle, ref = report["results"]["vllm_eagle3"], report["results"]["reference"]
-    assert "error" not in eagle, eagle.get("stderr_tail")
-    assert eagle["num_drafts"] > 0 and len(eagle["num_accepted_tokens_per_pos"]) == 2
-    assert 1 <= eagle["acceptance_length"] <= 3 and ref["num_drafts"] > 0
-    agreement = eagle["greedy_agreement_with_reference"]
-    assert (
-        0 <= agreement["identical_prompts"] <= 1 and 0 <= agreement["tokens_before_divergence"] <= 1
+    assert report["ks"] == [1, 2] and report["temperature"] == 0.0
+    assert all(is_heldout(s) for s in report["heldout"]["sample_ids"])
+    assert report["sets"]["heldout"]["prompts"] == 3
+    assert report["sets"]["mt_bench"]["categories"] == {"writing": 1, "reasoning": 1}
+    assert report["sets"]["mt_bench"]["format"] == "mt_bench"  # detected
+    assert report["sets"]["humaneval"]["sample_ids"] == ["HumanEval/0"]
+    # one vLLM engine per k; the reference loop loads once for both
+    assert report["engine_loads"] == 2
+    log = (results / "logs" / "evaluate" / f"{out['fp']}.log").read_text()
+    assert "engine loads: 2 vLLM engine(s)" in log
+    for name in ("heldout", "mt_bench", "humaneval"):
+        for k in (1, 2):
+            eagle, ref = (report["runs"][name][str(k)][p] for p in ("vllm_eagle3", "reference"))
+            assert "error" not in eagle, eagle.get("stderr_tail")
+            assert "error" not in ref, ref
+            assert eagle["num_drafts"] > 0 and len(eagle["num_accepted_tokens_per_pos"]) == k
+            assert 1 <= eagle["acceptance_length"] <= k + 1 and ref["num_drafts"] > 0
+            assert eagle["prompts"] == report["sets"][name]["prompts"] - eagle["prompts_skipped"]
+            agreement = eagle["greedy_agreement_with_reference"]
+            assert 0 <= agreement["tokens_before_divergence"] <= 1
+    # The AL definition on this run: per set, 1 + accepted / drafts, the sets' counters adding
+    # up to vLLM's own spec-decode totals of the engine (LLM.get_metrics()).
+    for load in (x for x in report["loads"] if x["path"] == "vllm_eagle3"):
+        (k,) = load["ks"]
+        vllm = load["counters"][str(k)]
+        sets = [report["runs"][name][str(k)]["vllm_eagle3"] for name in report["sets"]]
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert sum(r[key] for r in sets) == vllm[key], key
+        assert [sum(x) for x in zip(*(r["num_accepted_tokens_per_pos"] for r in sets))] == vllm[
+            "num_accepted_tokens_per_pos"
+        ]
+        assert vllm["num_draft_tokens"] == k * vllm["num_drafts"]
+        for r in sets:
+            assert r["acceptance_length"] == 1 + r["num_accepted_tokens"] / r["num_drafts"]
+    # MT-Bench's second turn was asked after the target's own first reply: its prompt is the
+    # chat template over question, that reply (decoded) and the second question.
+    from eagleflow.evaluate.turns import chat_renderer
+    from eagleflow.target.load import load_tokenizer
+
+    render = chat_renderer(load_tokenizer(work / report["target"]))
+    mt = report["runs"]["mt_bench"]["2"]["vllm_eagle3"]
+    assert [len(t) for t in mt["texts"]] == [2, 1] and report["sets"]["mt_bench"]["turns"] == 3
+    (first, second), replies, lengths = (
+        MT_BENCH_ROWS[0]["turns"],
+        mt["texts"][0],
+        mt["prompt_tokens"][0],
     )
-    print(f"one rank: eagle3 acceptance length {eagle['acceptance_length']:.3f}")
+    history = [{"role": "user", "content": first}]
+    assert lengths[0] == len(render(history))
+    history += [{"role": "assistant", "content": replies[0]}]
+    assert lengths[1] == len(render(history + [{"role": "user", "content": second}]))
+    assert set(mt["by_category"]) == {"writing", "reasoning"}
+    table = (results / "eval" / out["fp"] / "acceptance.md").read_text()
+    assert "| engine | k | temperature | heldout | mt_bench | humaneval |" in table
+    for k in (1, 2):
+        row = [r for r in report["runs"].values()]
+        cells = " | ".join(f"{r[str(k)]['vllm_eagle3']['acceptance_length']:.2f}" for r in row)
+        assert f"| vLLM eagle3 | {k} | 0 (greedy) | {cells} |" in table
+    assert "| mt_bench | writing | vLLM eagle3 | 2 | 0 (greedy) |" in table
+    print(f"one rank, k=1,2 eagle3:\n{table}")
     html = work / "report.html"
     snakemake(work, "--report", str(html), config=config)
     text = html.read_text(errors="replace")
-    assert all(name in text for name in ("curves.png", "acceptance.png", "verify_summary.tsv"))
+    assert all(
+        name in text
+        for name in ("curves.png", "acceptance.png", "acceptance.md", "verify_summary.tsv")
+    )
 
 
 @pytest.mark.vllm

@@ -23,6 +23,7 @@ from eagleflow.store.integrity import (
     set_aside_incomplete_manifest,
 )
 from eagleflow.extract.fingerprint import config_fingerprint
+from eagleflow.evaluate.sets import HELDOUT as HELDOUT_SET, set_files, sets_from_config
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.checks import check_target_code, check_target_path
 from eagleflow.target.info import TOKENIZER_FILES, TargetError, read_target
@@ -261,6 +262,22 @@ def evaluation_outputs(wildcards):
         # what extraction_summary says, for a streamed run too
         f"{hidden_dir()}/validate_env.json",
     ]
+
+
+def evaluation_set_files():
+    """The files of evaluate.sets that are the user's (not embedded, not the held-out split's
+    data.path), as the evaluate rule's inputs, so that an edited set re-evaluates. A missing
+    one is left out here: validate_env, and the evaluate job again, stop on it naming it.
+    """
+    sets = [s for s in sets_from_config(config) if s.format != HELDOUT_SET]
+    return [f for f in set_files(sets) if os.path.exists(f)]
+
+
+def evaluation_given_draft():
+    """evaluate.draft's config.json, when set (its weights may be named or sharded as its
+    publisher chose; vLLM finds them)."""
+    given = config["evaluate"].get("draft")
+    return [os.path.join(given, "config.json")] if given else []
 
 
 def regeneration_done():

@@ -17,7 +17,16 @@ with redirect_to_log(snakemake.log[0]):
         snakemake.params.export,
         snakemake.input.dataset,
         EvalSettings.from_config(snakemake.config),
-        (snakemake.output.result, snakemake.output.plot),
+        (snakemake.output.result, snakemake.output.plot, snakemake.output.table),
         workdir=snakemake.params.workdir,
+        log=lambda line: print(line, flush=True),
     )
-    print(json.dumps({n: r.get("acceptance_length") for n, r in report["results"].items()}))
+    print(
+        json.dumps(
+            {
+                f"{name} k={k}": {p: r.get("acceptance_length") for p, r in results.items()}
+                for name, by_k in report["runs"].items()
+                for k, results in by_k.items()
+            }
+        )
+    )

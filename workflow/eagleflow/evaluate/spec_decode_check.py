@@ -19,11 +19,13 @@ from eagleflow.engine.settings import EngineSettings
 
 @dataclass(frozen=True)
 class Speculation:
-    method: str  # eagle3 or ngram
+    method: str  # eagle3, ngram, or none (the target alone: the speed baseline)
     k: int  # speculative tokens per step
     draft: str | None = None  # exported draft directory (eagle3)
 
-    def config(self) -> dict:
+    def config(self) -> dict | None:
+        if self.method == "none":
+            return None
         if self.method == "eagle3":
             return {"method": "eagle3", "model": self.draft, "num_speculative_tokens": self.k}
         if self.method == "ngram":  # field notes 11
@@ -109,6 +111,111 @@ def run(
     }
 
 
+def run_conversations(
+    settings: EngineSettings, speculation: Speculation, items: list[dict], job: dict
+) -> dict:
+    """One engine load (target + this speculation) for every prompt of every set, one
+    prompt at a time, turn by turn (`eagleflow.evaluate.turns`). `items`: {`messages`,
+    `followups`}; `job`: `max_tokens`, `temperature`, `seed`, `max_prompt_tokens`,
+    `chat_template_kwargs`. Each prompt's counters are the difference of vLLM's cumulative
+    counters around its turns; `counters` are vLLM's own totals at the end."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagleflow.engine.builder import build_engine
+    from eagleflow.evaluate.turns import chat_renderer, run_conversation
+    from eagleflow.target.load import load_tokenizer
+
+    t0 = time.time()
+    llm = build_engine(
+        settings,
+        speculative_config=speculation.config(),
+        disable_log_stats=False,  # the spec-decode counters are stats
+        enable_prefix_caching=False,
+    )
+    started = time.time() - t0
+    tok = load_tokenizer(settings.target)
+    sampling = SamplingParams(
+        temperature=float(job["temperature"]),
+        seed=int(job["seed"]),
+        max_tokens=int(job["max_tokens"]),
+    )
+
+    def generate(ids: list[int]):
+        before = spec_counters(llm.get_metrics())
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids), counter_difference(
+            spec_counters(llm.get_metrics()), before
+        )
+
+    render = chat_renderer(tok, job.get("chat_template_kwargs"))
+    t1 = time.time()
+    records = []
+    if speculation.method != "none":  # the target alone is measured for its speed only
+        records = [
+            run_conversation(
+                item,
+                render,
+                generate,
+                lambda ids: tok.decode(ids, skip_special_tokens=True),
+                speculation.k,
+                job.get("max_prompt_tokens"),
+            )
+            for item in items
+        ]
+    result = {
+        "k": speculation.k,
+        "method": speculation.method,
+        "engine_loads": 1,
+        "engine_start_s": round(started, 1),
+        "generate_s": round(time.time() - t1, 2),
+        "counters": spec_counters(llm.get_metrics()),
+        "records": records,
+    }
+    if job.get("speed_concurrencies"):
+        limit = job.get("max_prompt_tokens")
+        first_turns = [render(list(item["messages"])) for item in items]
+        first_turns = [ids for ids in first_turns if limit is None or len(ids) <= limit]
+        result["speed"] = measure_speed(
+            llm.generate,
+            [TokensPrompt(prompt_token_ids=ids) for ids in first_turns],
+            job["speed_concurrencies"],
+            SamplingParams(
+                temperature=float(job["temperature"]),
+                seed=int(job["seed"]),
+                max_tokens=int(job["max_tokens"]),
+                ignore_eos=True,
+            ),
+        )
+    return result
+
+
+def measure_speed(generate, prompts: list, concurrencies, sampling) -> list[dict]:
+    """Output tokens per second at each concurrency c: c requests (the prompts in order,
+    repeated when fewer) submitted together in one `generate` call, every request generating
+    `sampling.max_tokens` tokens (end of turn ignored, so that the with- and without-draft
+    runs generate the same number); after one warm-up request."""
+    if not prompts:
+        return []
+    generate(prompts[:1], sampling, use_tqdm=False)  # warm-up: first-call costs
+    out = []
+    for c in concurrencies:
+        batch = [prompts[i % len(prompts)] for i in range(int(c))]
+        t0 = time.perf_counter()
+        outputs = generate(batch, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        out.append(
+            {
+                "concurrency": int(c),
+                "output_tokens": tokens,
+                "seconds": round(seconds, 4),
+                "tokens_per_second": round(tokens / seconds, 2),
+            }
+        )
+    return out
+
+
 def counter_difference(after: dict, before: dict) -> dict:
     """`after` - `before` for counters from `spec_counters` (a counter missing before is 0)."""
     out = {}
@@ -125,22 +232,39 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--engine", required=True, help="EngineSettings as JSON")
     p.add_argument("--draft", help="exported draft directory (method eagle3)")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "none"])
     p.add_argument("--prompt-ids", help="JSON file: a list of token-id lists (chat-templated)")
     p.add_argument("--stop-at-eos", action="store_true")
     p.add_argument("--per-prompt", action="store_true", help="counters of each prompt too")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt", action="append")
+    p.add_argument(
+        "--conversations",
+        help="JSON file {items: [{messages, followups}], job: {...}} (run_conversations)",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.method == "eagle3" and not a.draft:
+        p.error("--draft is required for method eagle3")
+    if a.conversations:
+        with open(a.conversations) as f:
+            given = json.load(f)
+        result = run_conversations(
+            EngineSettings(**json.loads(a.engine)),
+            Speculation(a.method, a.k, a.draft),
+            given["items"],
+            given["job"],
+        )
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+        print(json.dumps({k: v for k, v in result.items() if k != "records"}))
+        return
     if a.prompt_ids:
         with open(a.prompt_ids) as f:
             prompts = json.load(f)
     else:
         prompts = a.prompt or ["What is 12 plus 7?", "Spell the word cat."]
-    if a.method == "eagle3" and not a.draft:
-        p.error("--draft is required for method eagle3")
     result = run(
         EngineSettings(**json.loads(a.engine)),
         Speculation(a.method, a.k, a.draft),

@@ -176,11 +176,28 @@ def train_runtime_minutes(tokens: int, rate_per_rank: float, ranks: int, attempt
 def evaluate_runtime_minutes(
     evaluate: dict, load_minutes: float, decode_tokens_per_second: float, attempt: int = 1
 ) -> int:
-    """SLURM time limit of the evaluate job: one target load per path (each vLLM path starts
-    an engine; the reference loop loads the target in transformers) and every path's greedy
-    tokens (num_prompts x max_tokens) at the decode rate, with the extract jobs' margin and
-    start-up, times attempt."""
-    paths = len(evaluate["paths"])
-    tokens = paths * int(evaluate["num_prompts"]) * int(evaluate["max_tokens"])
-    est = RUNTIME_MARGIN * (paths * load_minutes + tokens / decode_tokens_per_second / 60)
+    """SLURM time limit of the evaluate job: one target load per vLLM path and k (vLLM fixes k
+    when an engine is built) and one for the reference loop, doubled with evaluate.draft, and
+    every path's tokens at every k (prompts of each set, its limit or num_prompts, x 2 turns
+    for MT-Bench-style sets, x max_tokens) at the decode rate, with evaluate.speed's engine
+    and requests, with the extract jobs' margin and start-up, times attempt."""
+    k = evaluate.get("speculative_tokens", 3)
+    ks = len(k) if isinstance(k, list) else 1
+    paths = list(evaluate["paths"])
+    drafts = 2 if evaluate.get("draft") else 1
+    vllm = sum(p != "reference" for p in paths)
+    loads = (vllm * ks + ("reference" in paths)) * drafts
+    sets = evaluate.get("sets") or [{"name": "heldout"}]
+    prompts = sum(
+        (s.get("limit") or int(evaluate["num_prompts"]))
+        * (2 if s.get("format") == "mt_bench" else 1)
+        for s in sets
+    )
+    tokens = len(paths) * ks * drafts * prompts * int(evaluate["max_tokens"])
+    if evaluate.get("speed"):  # the target alone, then every eagle3 engine, at each concurrency
+        loads += 1
+        timed = 1 + ("vllm_eagle3" in paths) * ks * drafts
+        concurrency = sum(evaluate.get("speed_concurrencies") or [1, 8, 32])
+        tokens += timed * concurrency * int(evaluate["max_tokens"])
+    est = RUNTIME_MARGIN * (loads * load_minutes + tokens / decode_tokens_per_second / 60)
     return math.ceil(est + STARTUP_MINUTES) * max(1, attempt)
