@@ -10,8 +10,7 @@ import torch
 from eagleflow.draft.model import DraftConfig, Eagle3Draft
 from eagleflow.train.objective import FIGURES, figures
 from eagleflow.train.parallel import Parallelism, mixed_precision
-
-H, V = 32, 64
+from support.draft_fixtures import TINY_DRAFT, H, V
 
 
 def test_fsdp_casts_to_bf16_and_reduces_in_fp32_on_cuda_only():
@@ -29,15 +28,7 @@ def test_a_draft_cast_to_bf16_runs_without_autocast_close_to_fp32():
     """What FSDP's policy hands the forward: bf16 parameters (the frozen embedding is bf16
     already) and bf16 states, no autocast."""
     cfg = DraftConfig(
-        hidden_size=H,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=V,
-        draft_vocab_size=16,
-        num_aux=3,
-        attention="eager",
+        hidden_size=H, vocab_size=V, draft_vocab_size=16, num_aux=3, attention="eager", **TINY_DRAFT
     )
     torch.manual_seed(0)
     model = Eagle3Draft(cfg)

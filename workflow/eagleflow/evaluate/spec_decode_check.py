@@ -52,6 +52,18 @@ def spec_counters(metrics) -> dict:
     return out
 
 
+def start_engine(settings: EngineSettings, speculation: Speculation):
+    """The target with `speculation` in vLLM, its spec-decode counters on."""
+    from eagleflow.engine.builder import build_engine
+
+    return build_engine(
+        settings,
+        speculative_config=speculation.config(),
+        disable_log_stats=False,  # the spec-decode counters are stats
+        enable_prefix_caching=False,
+    )
+
+
 def run(
     settings: EngineSettings,
     speculation: Speculation,
@@ -67,15 +79,8 @@ def run(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagleflow.engine.builder import build_engine
-
     t0 = time.time()
-    llm = build_engine(
-        settings,
-        speculative_config=speculation.config(),
-        disable_log_stats=False,  # the spec-decode counters are stats
-        enable_prefix_caching=False,
-    )
+    llm = start_engine(settings, speculation)
     started = time.time() - t0
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
@@ -122,17 +127,11 @@ def run_conversations(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagleflow.engine.builder import build_engine
     from eagleflow.evaluate.turns import chat_renderer, run_conversation
     from eagleflow.target.load import load_tokenizer
 
     t0 = time.time()
-    llm = build_engine(
-        settings,
-        speculative_config=speculation.config(),
-        disable_log_stats=False,  # the spec-decode counters are stats
-        enable_prefix_caching=False,
-    )
+    llm = start_engine(settings, speculation)
     started = time.time() - t0
     tok = load_tokenizer(settings.target)
     sampling = SamplingParams(
