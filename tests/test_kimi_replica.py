@@ -327,3 +327,21 @@ def test_the_agent_families_reason_and_call_tools_through_the_replica_template(t
             assert "<|tool_call_begin|>functions.lookup_capital:0" in trained
             assert "## Return of" not in trained
     assert 0 < inline < sum(r["family"] == "reasoning" for r in rows)
+
+
+def test_a_tokenizer_rebuilt_at_the_same_path_loads_its_own_ranks(tmp_path, monkeypatch):
+    """Found through the workflow (tests/test_kimi_traffic.py): tiktoken's `load_tiktoken_bpe`
+    caches a vocabulary file under its path alone, so a replica rebuilt at
+    resources/targets/tiny-kimi-k25 (another corpus, other ranks) was tokenized with the ranks
+    of an older one. The shipped tokenizer reads its file itself."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+    rel = tiny_kimi.Path("resources/targets/tiny-kimi-k25")
+    text = "capital of Peru"
+    ids = []
+    for corpus in (["the capital of Peru is Lima"] * 20, ["zzz yyy xxx"] * 20):
+        tiny_kimi.write_tokenizer(rel, tiny_kimi.tiktoken_ranks(corpus, base_vocab=300))
+        tok = tiny_kimi.load_tokenizer(rel)
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+        ids.append(tok.encode(text, add_special_tokens=False))
+    assert len(ids[0]) < len(ids[1])  # the second corpus never saw these words

@@ -628,6 +628,7 @@ def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_token
     from eagleflow.regenerate.replies import (
         ReplyForm,
         chat_renderer,
+        conversation_renderer,
         reasoning_splitter,
         regenerate_conversations,
     )
@@ -645,12 +646,13 @@ def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_token
             k = len(generated)
             text = f"Step {k}: add them.</think>It is {k}."
             generated.append((list(p), tok.encode(text, add_special_tokens=False) + [end]))
-            out.append((text, "stop"))
+            out.append((text, "stop", generated[-1][1]))
         return out
 
-    form = ReplyForm(reasoning_splitter("kimi_k2", tok))
+    form = ReplyForm(reasoning_splitter("kimi_k2", tok), rerender=conversation_renderer(tok))
     rows, bad, stats = regenerate_conversations(convs, generate, render, 1000, form=form)
     assert not bad and stats["replies"] == 3
+    assert stats["rerendered"] == {"exact": 3, "cut": 0, "mismatched": 0}
     assert rows[0]["messages"][1] == {
         "role": "assistant",
         "content": "It is 0.",
@@ -668,3 +670,48 @@ def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_token
         assert prompt in by_prompt, sid  # the context the target was given
         np.testing.assert_array_equal(t.input_ids[first:], by_prompt[prompt])
         assert t.loss_mask[first:].all()
+
+
+def test_a_reply_that_does_not_render_back_to_its_tokens_is_counted_and_named(tokenizer, tmp_path):
+    """Found through vLLM on the barely trained replica: a reply that ends its turn without
+    closing its think block (`<|im_end|>` right after the prompt's `<think>`) renders back with
+    a `</think>` the target never wrote. The job's check counts it and names the row and reply;
+    a reply cut at the budget is checked as a prefix (the template closes it)."""
+    from eagleflow.regenerate.replies import (
+        ReplyForm,
+        chat_renderer,
+        conversation_renderer,
+        regenerate_conversations,
+        rerender_check,
+    )
+
+    tok = kimi_style(tokenizer)
+    end, close = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("</think>")
+    data = write_jsonl(tmp_path / "d.jsonl", _prompt_rows())
+    convs, _ = read_conversations(data, require_assistant=False)
+    words = tok.encode("Some steps", add_special_tokens=False)
+
+    def generate(prompts):  # "two": an unclosed think block then the end; "one": cut
+        return [
+            ("", "stop", [end]) if len(prompts) == 2 and k == 0 else ("Some steps", "length", words)
+            for k, _ in enumerate(prompts)
+        ]
+
+    def split(text):
+        return (text, None) if "</think>" not in text else tuple(text.split("</think>", 1))
+
+    logged = []
+    form = ReplyForm(split, rerender=conversation_renderer(tok))
+    _, _, stats = regenerate_conversations(
+        convs, generate, chat_renderer(tok), 1000, logged.append, form
+    )
+    assert stats["rerendered"] == {"exact": 0, "cut": 2, "mismatched": 1}
+    assert any(
+        m.startswith("two, reply 1: the written-out reply does not render back") and "token 0" in m
+        for m in logged
+    ), logged
+    prompt = [1, 2, 3]
+    assert rerender_check(prompt, [close, end], [1, 2, 3, close, end], "stop") is None
+    assert rerender_check(prompt, [close], [1, 2, 3, close, end], "length") is None
+    assert rerender_check(prompt, [end], [1, 2, 3, close, end], "stop") == 0
+    assert rerender_check(prompt, [close, end], [1, 2, 3, close], "stop") == 1

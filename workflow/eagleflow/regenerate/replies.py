@@ -57,6 +57,10 @@ class ReplyForm:
 
     split: Callable[[str], tuple[str | None, str | None]] | None = None
     on_truncated: str = "keep"
+    # messages -> token ids of the conversation as the template renders it, without a
+    # generation prompt (`conversation_renderer`): with it, each reply whose generated ids
+    # came back is checked to re-render to exactly the prompt plus those ids (`rerender_check`).
+    rerender: Callable[[list[dict]], list[int]] | None = None
 
     def message(self, text: str) -> dict:
         if self.split is None:
@@ -80,6 +84,26 @@ def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None
             "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
         ) from e
     return lambda text: parser.extract_reasoning(text, None)
+
+
+def rerender_check(prompt, generated, rendered, finish_reason: str) -> int | None:
+    """None when a written-out reply renders back to the tokens the target produced, else the
+    first position (counted from the reply's first token) where it does not.
+
+    `rendered`: the conversation up to and with the reply, as the template renders it (no
+    generation prompt). A reply that ended itself must render to exactly `prompt` + `generated`
+    (its end-of-turn token included); one cut at the budget (`length`) must render to them
+    followed by whatever the template closes a turn with (`</think>`, `<|im_end|>`): those
+    tokens were not generated, and a shard trains on them all the same."""
+    expected = [int(t) for t in prompt] + [int(t) for t in generated]
+    rendered = [int(t) for t in rendered]
+    got = rendered if finish_reason != "length" else rendered[: len(expected)]
+    if got == expected:
+        return None
+    first = next(
+        (k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
+    )
+    return first - len(prompt)
 
 
 def regenerate_conversations(
@@ -106,6 +130,7 @@ def regenerate_conversations(
     answered = [0] * len(conversations)
     stopped_early = 0
     truncated = dropped = 0
+    rerendered = {"exact": 0, "cut": 0, "mismatched": 0}  # form.rerender: replies checked
     cut_first = [False] * len(conversations)  # the first reply was cut and dropped
     rounds = 0
     while True:
@@ -132,8 +157,9 @@ def regenerate_conversations(
         replies = generate([ids for _, ids in batch])
         if len(replies) != len(batch):
             raise RuntimeError(f"generate returned {len(replies)} replies for {len(batch)} prompts")
-        for (i, _), reply in zip(batch, replies):
+        for (i, prompt), reply in zip(batch, replies):
             text, reason = (reply, "stop") if isinstance(reply, str) else tuple(reply)[:2]
+            generated = None if isinstance(reply, str) or len(reply) < 3 else reply[2]
             if reason == "length":
                 truncated += 1
                 if form.on_truncated == "drop":  # this turn and the rest of the conversation
@@ -145,6 +171,17 @@ def regenerate_conversations(
                     continue
             done[i].append(form.message(text))
             answered[i] += 1
+            if form.rerender is not None and generated is not None:
+                at = rerender_check(prompt, generated, form.rerender(done[i]), reason)
+                if at is None:
+                    rerendered["cut" if reason == "length" else "exact"] += 1
+                else:
+                    rerendered["mismatched"] += 1
+                    log(
+                        f"{conversations[i].sample_id}, reply {answered[i]}: the written-out "
+                        f"reply does not render back to the generated tokens (first "
+                        f"difference at its token {at}; finish reason {reason})"
+                    )
         rounds += 1
         log(f"round {rounds}: {len(batch)} prompts answered in {time.time() - t0:.1f}s")
     rows, bad = [], [BadRow(c.source_file, c.source_row, TOOL_ROWS, c.sample_id) for c in tool_rows]
@@ -170,6 +207,8 @@ def regenerate_conversations(
         "truncated_dropped": dropped,
         "rejected": len(bad),
     }
+    if form.rerender is not None:
+        stats["rerendered"] = rerendered
     return rows, bad, stats
 
 
@@ -181,6 +220,20 @@ def chat_renderer(tokenizer, chat_template_kwargs: dict | None = None):
     def render(messages):
         out = tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
+        )
+        return list(out["input_ids"])
+
+    return render
+
+
+def conversation_renderer(tokenizer, chat_template_kwargs: dict | None = None):
+    """messages -> token ids of the whole conversation (no generation prompt), with
+    `data.chat_template_kwargs`: how the shard renders a regenerated reply."""
+    kwargs = dict(chat_template_kwargs or {})
+
+    def render(messages):
+        out = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=False, tokenize=True, return_dict=True, **kwargs
         )
         return list(out["input_ids"])
 
@@ -206,11 +259,12 @@ def start_generate_engine(settings: EngineSettings):
 
 def generate_replies(
     llm, prompts, max_new_tokens: int, keep_special_tokens: bool = False
-) -> list[tuple[str, str, int]]:
+) -> list[tuple]:
     """One batched greedy `LLM.generate` over prompt id lists: (text, finish reason, generated
     token count) per prompt, in order. Stops at the tokenizer's end-of-turn token or after
     `max_new_tokens`. `keep_special_tokens`: the text keeps markers such as `</think>` (a
-    reasoning parser splits on them)."""
+    reasoning parser splits on them), and each reply also carries its generated token ids,
+    so that the written-out reply can be checked to render back to them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -227,6 +281,7 @@ def generate_replies(
     )
     return [
         (o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
+        + ((list(o.outputs[0].token_ids),) if keep_special_tokens else ())
         for o in outputs
     ]
 
@@ -250,14 +305,15 @@ class Generator:
     generated_tokens: int = 0
     generate_s: float = 0.0
 
-    def __call__(self, prompts) -> list[tuple[str, str]]:
+    def __call__(self, prompts) -> list[tuple]:
+        """(text, finish reason) per reply, and its generated ids where they came back."""
         t0 = time.time()
         replies = self.replies_of(prompts)
-        for _, reason, n in replies:
+        for _, reason, n, *_ in replies:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.generated_tokens += n
         self.generate_s += time.time() - t0
-        return [(text, reason) for text, reason, _ in replies]
+        return [(text, reason, *ids) for text, reason, _, *ids in replies]
 
 
 def vllm_generator(

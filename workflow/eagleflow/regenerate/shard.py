@@ -28,6 +28,7 @@ from eagleflow.regenerate.replies import (
     Generator,
     ReplyForm,
     chat_renderer,
+    conversation_renderer,
     reasoning_splitter,
     regenerate_conversations,
 )
@@ -151,6 +152,9 @@ class Answered:
     stopped_early: int = 0
     truncated: int = 0  # replies cut at max_new_tokens
     truncated_dropped: int = 0  # of those, dropped (on_truncated: drop)
+    # With a reasoning parser: replies checked to render back to their generated ids
+    # (replies.rerender_check): exactly, as a cut reply's prefix, or not (named in the log).
+    rerendered: dict | None = None
     generator: Generator | None = None
     engine_start_s: float = 0.0  # until the engine was ready: a load, or a connection
 
@@ -213,11 +217,11 @@ def answer_chunks(
 
     tokenizer = load_tokenizer(settings.target)
     render = chat_renderer(tokenizer, settings.chat_template_kwargs)
+    parsed = settings.reasoning_parser is not None
     form = ReplyForm(
-        reasoning_splitter(settings.reasoning_parser, tokenizer)
-        if settings.reasoning_parser
-        else None,
+        reasoning_splitter(settings.reasoning_parser, tokenizer) if parsed else None,
         settings.on_truncated,
+        conversation_renderer(tokenizer, settings.chat_template_kwargs) if parsed else None,
     )
     t_engine = time.time()
     generate = generator()
@@ -267,6 +271,9 @@ def answer_chunks(
         answered.truncated_dropped += chunk_stats["truncated_dropped"]
         answered.rounds += chunk_stats["rounds"]
         answered.stopped_early += chunk_stats["stopped_early"]
+        if "rerendered" in chunk_stats:
+            total = answered.rerendered or dict.fromkeys(chunk_stats["rerendered"], 0)
+            answered.rerendered = {k: total[k] + v for k, v in chunk_stats["rerendered"].items()}
         bar.update(len(chunks[i]))
     bar.close()
     return answered
@@ -314,6 +321,7 @@ def assemble(
         "truncated_now": answered.truncated,
         "truncated_dropped_now": answered.truncated_dropped,
         "finish_reasons_now": generate.finished if generate else None,
+        "rerendered_now": answered.rerendered,
         "max_new_tokens": settings.max_new_tokens,
         "max_length": settings.max_length,
         "chunk_rows": settings.chunk_rows,

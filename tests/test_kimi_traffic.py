@@ -1,0 +1,297 @@
+"""Thinking and tool-calling traffic on the Kimi-K2.5 replica through the real workflow and
+real vLLM (issue 37): a dataset mixing `reasoning_content`, inline `<think>` and tool-call rows
+goes through `snakemake extract` (per-form counts in the shard summary, each row's reasoning
+inside the loss mask of the decoded token shards, history's reasoning stripped as the replica's
+template strips it, the hidden-state shards verified); and regeneration in thinking mode
+(`data.regenerate.reasoning_parser: kimi_k2`) writes rows with `reasoning_content` and
+`content` that render back to the tokens the engine generated.
+
+One working directory for the module, built by two Snakemake runs (two engine loads in all):
+the replica is built once (a couple of training steps: the tests need its template, tokenizer
+and architecture, not good replies) and shared by both runs, which write to their own
+`results_dir`. Regeneration turns every assistant turn into the target's own, and rows with
+tool traffic are named rejects there, so the mixed forms are extracted as written and the
+regeneration run answers prompt-only rows."""
+
+import csv
+import json
+import time
+
+import pandas as pd
+import pytest
+
+from support.datasets import write_jsonl
+from support.workflow_runner import SHORT_REGENERATION, hidden_dir, merged, snakemake
+
+pytestmark = pytest.mark.vllm
+
+KIMI = "resources/targets/tiny-kimi-k25"
+CALL = {
+    "id": "functions.weather:0",
+    "type": "function",
+    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+
+
+def mixed_rows() -> list[dict]:
+    """Four rows of each form; each reasoning text is unique, so it can be found by decoding."""
+    rows = []
+    for i in range(4):
+        rows += [
+            {
+                "id": f"field{i}",
+                "messages": [
+                    {"role": "user", "content": f"What is {i} plus 2?"},
+                    {
+                        "role": "assistant",
+                        "reasoning_content": f"Add {i} and two.",
+                        "content": "ok",
+                    },
+                    {"role": "user", "content": "And times 3?"},
+                    {
+                        "role": "assistant",
+                        "reasoning_content": f"Triple field {i}.",
+                        "content": "x",
+                    },
+                ],
+            },
+            {
+                "id": f"inline{i}",
+                "messages": [
+                    {"role": "user", "content": f"Spell word {i}."},
+                    {"role": "assistant", "content": f"<think>Letters of word {i}.</think>W {i}."},
+                    {"role": "user", "content": "And dog?"},
+                    {"role": "assistant", "content": f"<think>Dog again {i}.</think>D O G."},
+                ],
+            },
+            {
+                "id": f"tool{i}",
+                "tools": TOOLS,
+                "messages": [
+                    {"role": "user", "content": f"Weather in city {i}?"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "reasoning_content": f"Call the tool for {i}.",
+                        "tool_calls": [CALL],
+                    },
+                    {
+                        "role": "tool",
+                        "name": "weather",
+                        "tool_call_id": "functions.weather:0",
+                        "content": f"sunny {i}",
+                    },
+                    {
+                        "role": "assistant",
+                        "reasoning_content": f"The tool says sunny {i}.",
+                        "content": "It is sunny.",
+                    },
+                ],
+            },
+        ]
+    return rows
+
+
+def prompt_rows() -> list[dict]:
+    """Prompt-only rows for regeneration, two user turns each (the second answered with the
+    first reply in its history): sums in the replica's `reasoning` family (it starts to work
+    them out in steps: replies cut at the budget) and capitals (it closes the think block and
+    ends its turn: replies that end themselves)."""
+    sums = [f"What is {10 + 7 * i} plus {20 + 5 * i}? Think it through." for i in range(3)]
+    capitals = [f"What is the capital of {c}?" for c in ("France", "Peru", "Kenya")]
+    return [{"id": f"p{i}", "turns": [q, "And once more?"]} for i, q in enumerate(sums + capitals)]
+
+
+# The replica, briefly trained (about 2 minutes here) on a small corpus of two families, the
+# `reasoning` one among them: enough for greedy replies that sometimes reason and sometimes
+# end their turn; what is tested is its template, tokenizer and architecture, through vLLM.
+REPLICA = {
+    "target": {"path": KIMI, "trust_remote_code": True},
+    "data": {"bundled_conversations": 90, "bundled_synthetic_families": ["reasoning", "capitals"]},
+    "target_training": {
+        "steps": 120,
+        "batch_tokens": 512,
+        "lr": 0.006,
+        "warmup_steps": 1,
+        "empty_system_phase": {"steps": 0},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory):
+    """The module's working directory: `results/` the mixed rows extracted, `results-regen/`
+    the prompt rows regenerated in thinking mode and sharded."""
+    workdir = tmp_path_factory.mktemp("kimi-traffic")
+    mixed = write_jsonl(workdir / "mixed.jsonl", mixed_rows())
+    prompts = write_jsonl(workdir / "prompts.jsonl", prompt_rows())
+    extract = merged(REPLICA, {"data": {"path": str(mixed), "shard_size": 6}})
+    regen = merged(
+        REPLICA,
+        {
+            "results_dir": "results-regen",
+            "data": {
+                "path": str(prompts),
+                "shard_size": 6,
+                "regenerate": merged(
+                    SHORT_REGENERATION,
+                    {"reasoning_parser": "kimi_k2", "max_new_tokens": 24, "chunk_rows": 6},
+                ),
+            },
+        },
+    )
+    t0 = time.time()
+    snakemake(workdir, "extract", config=extract)
+    print(f"replica built, mixed rows extracted: {time.time() - t0:.0f} s")
+    t0 = time.time()
+    snakemake(workdir, "results-regen/shards/manifest.parquet", config=regen)
+    print(f"prompt rows regenerated in thinking mode and sharded: {time.time() - t0:.0f} s")
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def tok(traffic):
+    from eagleflow.target.load import load_tokenizer
+
+    return load_tokenizer(traffic / KIMI)
+
+
+def decoded_samples(results, tok) -> dict[str, tuple[str, str]]:
+    """sample id -> (text of its loss-masked tokens, text of the rest), from the token shards."""
+    from eagleflow.data.shards import read_token_shard
+
+    samples = {}
+    for f in sorted((results / "shards" / "tokens").glob("*.safetensors")):
+        shard = read_token_shard(f)
+        for i, sid in enumerate(shard.sample_ids):
+            ids, mask = shard.sample(i)
+            m = mask.astype(bool)
+            samples[sid] = (tok.decode(ids[m]), tok.decode(ids[~m]))
+    return samples
+
+
+def test_mixed_reasoning_and_tool_rows_are_extracted_with_reasoning_in_the_mask(traffic, tok):
+    """`snakemake extract` on the mixed rows: per form, the summary counts rows, samples and
+    reasoning tokens kept; each turn's reasoning is trained on in its own sample and absent
+    from the samples that hold it as history (the replica renders history `<think></think>`);
+    tool results are never trained on; every hidden-state shard verifies."""
+    results = traffic / "results"
+    summary = json.loads((results / "shards" / "summary.json").read_text())
+    rows = mixed_rows()
+    assert summary["conversations"] == len(rows) and summary["rejected"] == 0
+    assert summary["fields_not_rendered"] == {}
+
+    def tokens(text):
+        return len(tok.encode(text, add_special_tokens=False))
+
+    field = [
+        m["reasoning_content"] for r in rows for m in r["messages"] if "reasoning_content" in m
+    ]
+    inline = [
+        m["content"][len("<think>") : m["content"].index("</think>")]
+        for r in rows
+        for m in r["messages"]
+        if m["content"].startswith("<think>")
+    ]
+    tool = [m["reasoning_content"] for r in rows if "tools" in r for m in r["messages"][1:2]]
+    # reasoning_content rows: the 4 two-turn rows (2 samples each) and the 4 tool rows (one
+    # sample each: no user turn between the call and the answer, history rendered as is).
+    assert summary["forms"] == {
+        "reasoning_content": {
+            "rows": 8,
+            "samples": 12,
+            "reasoning_tokens": sum(map(tokens, field)),
+        },
+        "inline_think": {"rows": 4, "samples": 8, "reasoning_tokens": sum(map(tokens, inline))},
+        "tool_calls": {
+            "rows": 4,
+            "samples": 4,
+            "reasoning_tokens": sum(
+                tokens(m["reasoning_content"])
+                for r in rows
+                if "tools" in r
+                for m in r["messages"]
+                if "reasoning_content" in m
+            ),
+        },
+    }
+    assert tool  # the tool rows' call turns carry reasoning
+
+    samples = decoded_samples(results, tok)
+    manifest = pd.read_parquet(results / "shards" / "manifest.parquet")
+    assert sorted(manifest["sample_id"]) == sorted(samples)
+    assert len(samples) == summary["samples"] == 20
+    for i in range(4):
+        for row, first, second in (
+            ("field", f"Add {i} and two.", f"Triple field {i}."),
+            ("inline", f"Letters of word {i}.", f"Dog again {i}."),
+        ):
+            trained1, rest1 = samples[f"{row}{i}#turn1"]
+            trained2, rest2 = samples[f"{row}{i}#turn2"]
+            assert f"<think>{first}" not in trained1 and first + "</think>" in trained1
+            assert first not in rest1 and second not in trained1 + rest1
+            assert second + "</think>" in trained2
+            # turn 1 as history: its reasoning stripped to an empty think block
+            assert first not in trained2 + rest2 and "<think></think>" in rest2
+        trained, rest = samples[f"tool{i}"]
+        assert f"Call the tool for {i}.</think><|tool_calls_section_begin|>" in trained
+        assert f"The tool says sunny {i}.</think>It is sunny.<|im_end|>" in trained
+        assert f"sunny {i}" in rest and f"sunny {i}" not in trained.replace(
+            f"The tool says sunny {i}.", ""
+        )
+
+    fp = hidden_dir(traffic)
+    with open(fp / "verify_summary.tsv") as f:
+        verdicts = list(csv.DictReader(f, delimiter="\t"))
+    assert len(verdicts) == summary["shards"] == 4
+    assert all(v["ok"] == "True" and not v["problems"] for v in verdicts), verdicts
+
+
+def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_generated_tokens(
+    traffic, tok
+):
+    """Prompt rows answered by the replica through vLLM in thinking mode (its generation
+    prompt opens `<think>`), replies kept with their special tokens and split by vLLM's
+    `kimi_k2` reasoning parser: every reply is a row's `reasoning_content` + `content`, and
+    the job checked each against the token ids the engine returned (a reply that ended itself
+    renders to exactly them; one cut at `max_new_tokens` to them followed by the template's
+    closing markers; the barely trained replica's replies are all of this kind, so the exact
+    case is proven with written-out replies in tests/test_reasoning_data.py). The shards then
+    train on each reply's reasoning."""
+    results = traffic / "results-regen"
+    regenerated = results / "regenerated"
+    (summary_file,) = regenerated.glob("*.summary.json")
+    summary = json.loads(summary_file.read_text())
+    rows = [
+        json.loads(line)
+        for line in summary_file.with_name(summary_file.name.replace(".summary.json", ".jsonl"))
+        .read_text()
+        .splitlines()
+    ]
+    prompts = prompt_rows()
+    assert summary["rows_kept"] == len(rows) == len(prompts) and summary["rows_rejected"] == 0
+    replies = [m for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert len(replies) == summary["replies_now"] == 2 * len(prompts)
+    assert all(set(m) <= {"role", "reasoning_content", "content"} for m in replies), replies
+    assert all(isinstance(m["content"], str) for m in replies)
+    assert any(m.get("reasoning_content") for m in replies), replies
+    finished = summary["finish_reasons_now"]
+    checked = summary["rerendered_now"]
+    assert checked == {
+        "exact": finished.get("stop", 0),
+        "cut": finished.get("length", 0),
+        "mismatched": 0,
+    }, summary
+    assert summary["truncated_now"] == finished.get("length", 0)
+    assert sum(checked.values()) == len(replies)  # every reply checked
+
+    samples = decoded_samples(results, tok)
+    for r in rows:
+        first, second = [m for m in r["messages"] if m["role"] == "assistant"]
+        trained1, _ = samples[f"{r['id']}#turn1"]
+        trained2, rest2 = samples[f"{r['id']}#turn2"]
+        assert trained1.startswith(first.get("reasoning_content", "") + "</think>")
+        assert trained2.startswith(second.get("reasoning_content", "") + "</think>")
+        # the first reply as history: its reasoning emptied to a think block
+        assert "<think></think>" + first["content"] + "<|im_end|>" in rest2
