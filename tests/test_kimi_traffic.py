@@ -7,8 +7,7 @@ template strips it, the hidden-state shards verified); and regeneration in think
 `content` that render back to the tokens the engine generated.
 
 One working directory for the module, built by two Snakemake runs (two engine loads in all):
-the replica is built once (a couple of training steps: the tests need its template, tokenizer
-and architecture, not good replies) and shared by both runs, which write to their own
+the replica is built once (briefly trained: see REPLICA) and shared by both runs, which write to their own
 `results_dir`. Regeneration turns every assistant turn into the target's own, and rows with
 tool traffic are named rejects there, so the mixed forms are extracted as written and the
 regeneration run answers prompt-only rows."""
@@ -104,8 +103,10 @@ def prompt_rows() -> list[dict]:
 
 
 # The replica, briefly trained (about 2 minutes here) on a small corpus of two families, the
-# `reasoning` one among them: enough for greedy replies that sometimes reason and sometimes
-# end their turn; what is tested is its template, tokenizer and architecture, through vLLM.
+# `reasoning` one among them, in the hope of greedy replies that sometimes end their turn (in
+# the measured runs none did: every reply was cut at the budget, so the exact re-render of a
+# finished reply is proven in test_reasoning_data.py); what is tested here is the template,
+# the tokenizer and the architecture, through vLLM.
 REPLICA = {
     "target": {"path": KIMI, "trust_remote_code": True},
     "data": {"bundled_conversations": 90, "bundled_synthetic_families": ["reasoning", "capitals"]},
