@@ -52,7 +52,9 @@ def config(steps: int, **kw) -> TrainConfig:
         max_tokens=64,
         save_every=4,
         eval_every=0,
-        num_workers=1,
+        # no loader worker: a fork from this test process, which earlier tests leave with
+        # threads (gloo's among them), can deadlock in the child
+        num_workers=0,
         device="cpu",
         heldout_modulus=4,
     )

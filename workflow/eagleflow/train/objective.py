@@ -41,16 +41,18 @@ def ttt_loss(logits: list, target_logits, batch, step_weight: float, loss="kl", 
     acceptance rate), w = exp(-eta sg[sum min(p, q)]): KL's gradient while the draft is far
     off, the acceptance rate itself once it is close. Every anchor is computed and the
     untrained ones masked (no boolean indexing: its size would be read back to the host)."""
+    # at least float32 (bf16 logits are upcast; float64 ones, as in the exactness tests, stay)
+    compute = torch.promote_types(logits[0].dtype, torch.float32)
     denominators = (batch.step_tokens if tokens is None else tokens).to(logits[0].device)
-    denominators = denominators.to(torch.float32).clamp(min=1)
-    target_logp = F.log_softmax(target_logits.float(), dim=-1)
-    total = logits[0].new_zeros((), dtype=torch.float32)
+    denominators = denominators.to(compute).clamp(min=1)
+    target_logp = F.log_softmax(target_logits.to(compute), dim=-1)
+    total = logits[0].new_zeros((), dtype=compute)
     prev_ok = batch.valid[0].clone()
     rows = []
     for k, step_logits in enumerate(logits):
         valid = batch.valid[k]
         tgt = target_logp[batch.target_index[k]]
-        logq = F.log_softmax(step_logits.float(), dim=-1)
+        logq = F.log_softmax(step_logits.to(compute), dim=-1)
         kl = torch.where(valid, (tgt.exp() * (tgt - logq)).sum(-1), 0.0)
         objective = kl
         if loss == "lk_hybrid":
