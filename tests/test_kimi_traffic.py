@@ -8,9 +8,9 @@ template strips it, the hidden-state shards verified); and regeneration in think
 
 One working directory for the module, built by two Snakemake runs (two engine loads in all):
 the replica is built once (briefly trained: see REPLICA) and shared by both runs, which
-write to their own `results_dir`. Regeneration turns every assistant turn into the target's own, and rows with
-tool traffic are named rejects there, so the mixed forms are extracted as written and the
-regeneration run answers prompt-only rows."""
+write to their own `results_dir`. Regeneration turns every assistant turn into the target's
+own, and rows with tool traffic are named rejects there, so the mixed forms are extracted as
+written and the regeneration run answers prompt-only rows."""
 
 import csv
 import json
