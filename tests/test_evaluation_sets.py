@@ -884,3 +884,25 @@ def test_heldout_and_chat_prompts_keep_the_rows_tools_in_the_rendered_prompt(tok
     for item in conversation_items(held[:1] + chat[:1], [("", {})]):
         text = tok.decode(render(item["messages"], item["tools"], item["chat_template_kwargs"]))
         assert text.startswith('<|im_system|>tool_declare<|im_middle|>[{"type": "function"')
+
+
+@pytest.mark.slow  # imports vLLM (its reasoning parsers), no engine
+def test_vllms_kimi_parser_says_where_a_replica_reply_starts_and_ends_reasoning(tokenizer):
+    """`reply_parts("kimi_k2")` on the replica's template: a thinking-mode prompt (open
+    `<think>`) starts the reply in reasoning, an instant-mode one (`<think></think>`) does not;
+    `</think>` and a tool-call section end it. An unknown parser is named."""
+    from eagleflow.evaluate.turns import chat_renderer, reply_parts
+    from support.chat_templates import kimi_style
+
+    tok = kimi_style(tokenizer)
+    parts = reply_parts("kimi_k2", tok)
+    ends = {tok.convert_tokens_to_ids(t) for t in ("</think>", "<|tool_calls_section_begin|>")}
+    assert ends <= parts.end_ids
+    render = chat_renderer(tok)
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert parts.opens(render(messages)) and not parts.opens(
+        render(messages, (), {"thinking": False})
+    )
+    assert reply_parts(None, tok) is None
+    with pytest.raises(ValueError, match="evaluate.reasoning_parser is 'nope'"):
+        reply_parts("nope", tok)
