@@ -852,3 +852,53 @@ def test_tool_rows_are_regenerated_turn_by_turn_and_end_where_the_targets_calls_
         (1, TOOL_ROWS),
         (2, TOOL_ROWS),
     ]
+
+
+def test_the_replica_prompts_the_target_as_the_published_kimi_template_does(tokenizer):
+    """Kimi-K2.5's history rule on the replica: before every assistant turn of a conversation
+    of answers and tool loops, the prompt the target reads (generation prompt included) is the
+    same under the replica's template and under the published rule: every earlier assistant
+    turn with an empty `<think></think>`, the turns of the tool loop being written with their
+    reasoning, and `<think>` opened for the reply. (They differ only on a finished answer
+    rendered as text, where the published rule drops its reasoning: the test above.)"""
+    from support.chat_templates import kimi_published_rule, kimi_tokens
+
+    replica = kimi_style(tokenizer)
+    published = with_template(tokenizer, kimi_published_rule(), kimi_tokens())
+    sunday = {**CALL, "id": "functions.weather:1"}
+    conversation = [
+        *AGENT,
+        {"role": "user", "content": "And Sunday?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Ask again.",
+            "tool_calls": [sunday],
+        },
+        {
+            "role": "tool",
+            "content": "cold",
+            "tool_call_id": "functions.weather:1",
+            "name": "weather",
+        },
+        {"role": "assistant", "content": "Cold.", "reasoning_content": "The tool says cold."},
+    ]
+    turns = [i for i, m in enumerate(conversation) if m["role"] == "assistant"]
+    for i in turns:
+        prompt = [
+            tok.apply_chat_template(
+                conversation[:i], tools=TOOLS, add_generation_prompt=True, tokenize=False
+            )
+            for tok in (replica, published)
+        ]
+        assert prompt[0] == prompt[1], i
+        text = prompt[0]
+        assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+        last_user = max(j for j in range(i) if conversation[j]["role"] == "user")
+        for j in turns:
+            if j >= i:
+                break
+            reasoning = conversation[j]["reasoning_content"]
+            # history before the last user turn: emptied; the loop being written: kept
+            assert (f"<think>{reasoning}</think>" in text) == (j > last_user), (i, j)
+        assert text.count("<think></think>") == sum(j < last_user for j in turns if j < i)
