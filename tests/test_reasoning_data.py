@@ -649,7 +649,12 @@ def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_token
             out.append((text, "stop", generated[-1][1]))
         return out
 
-    form = ReplyForm(reasoning_splitter("kimi_k2", tok), rerender=conversation_renderer(tok))
+    split = reasoning_splitter("kimi_k2", tok)
+    # vLLM's parser strips the reasoning's trailing whitespace; kept as generated, found
+    # through vLLM on the replica (a reply cut at the budget after a space)
+    assert split("1 1 1 ") == ("1 1 1 ", None) and split("r </think> ans ") == ("r ", " ans ")
+    assert split("Think.</think>It is.") == ("Think.", "It is.")
+    form = ReplyForm(split, rerender=conversation_renderer(tok))
     rows, bad, stats = regenerate_conversations(convs, generate, render, 1000, form=form)
     assert not bad and stats["replies"] == 3
     assert stats["rerendered"] == {"exact": 3, "cut": 0, "mismatched": 0}

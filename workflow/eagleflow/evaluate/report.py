@@ -161,7 +161,8 @@ def parts_markdown(cols, ks, paths, temp: str) -> list[str]:
                 reasoning, answer = parts["reasoning"], parts["answer"]
                 rows.append(
                     _row(
-                        [label, path_label(path), k, temp, _al(r), _al(reasoning), _al(answer)]
+                        [label, path_label(path), k, temp, _al(r)]
+                        + [_al(x) if x["num_drafts"] else "-" for x in (reasoning, answer)]
                         + [reasoning["num_drafts"], answer["num_drafts"]]
                     )
                 )

@@ -147,7 +147,21 @@ def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None
             f"data.regenerate.reasoning_parser is {name!r}, which this vLLM does not have; use "
             "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
         ) from e
-    return lambda text: parser.extract_reasoning(text, None)
+    end = parser.reasoning_end_str or ""
+
+    def split(text: str) -> tuple[str | None, str | None]:
+        reasoning, content = parser.extract_reasoning(text, None)
+        # The parser strips whitespace at the end of the reasoning ("1 1 " -> "1 1"), which the
+        # template would not render: the reply would not render back to its generated tokens.
+        # The reasoning is kept as generated: the text before the content and the end marker.
+        if reasoning is not None and (content is None or text.endswith(content)):
+            head = text if content is None else text[: len(text) - len(content)]
+            head = head[: -len(end)] if end and head.endswith(end) else head
+            if head.strip() == reasoning.strip():
+                reasoning = head
+        return reasoning, content
+
+    return split
 
 
 def tool_splitter(name: str, tokenizer) -> Callable[[str], tuple[str, list[dict]]]:
