@@ -116,7 +116,7 @@ LONGEST_FIRST = (
     "test_engine_reuse.py",
     "test_draft.py",
     "test_regenerate_workflow.py",
-    "test_kimi_traffic.py",  # 317-546 s alone (-n 0), by load: replica built, two engine loads
+    "test_kimi_traffic.py",  # 1021 s alone (-n 0, shared machine): replica, 3 Snakemake runs
     "test_train_distributed.py",
     "test_storage.py",
     "test_pipeline_parallel.py",

@@ -196,6 +196,41 @@ def test_the_schema_takes_a_k_list_and_sets_and_refuses_bad_ones():
             validate(config, schema)
 
 
+def test_the_schema_takes_modes_and_a_reasoning_parser_and_refuses_a_mode_not_a_mapping():
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    schema = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
+    config = copy.deepcopy(base)
+    validate(config, schema)
+    assert config["evaluate"]["modes"] == {} and config["evaluate"]["reasoning_parser"] is None
+    default = EvalSettings.from_config(config)
+    assert default.modes == () and default.mode_kwargs() == [("", {})]
+    config["data"]["chat_template_kwargs"] = {"thinking": True, "x": 1}
+    config["data"].setdefault("regenerate", {})["reasoning_parser"] = "kimi_k2"
+    config["evaluate"]["modes"] = {"thinking": {}, "instant": {"thinking": False}}
+    validate(config, schema)
+    settings = EvalSettings.from_config(config)
+    # each mode's kwargs over data.chat_template_kwargs; the parser falls back to regeneration's
+    assert settings.mode_kwargs() == [
+        ("thinking", {"thinking": True, "x": 1}),
+        ("instant", {"thinking": False, "x": 1}),
+    ]
+    assert settings.reasoning_parser == "kimi_k2"
+    config["evaluate"]["reasoning_parser"] = "deepseek_r1"
+    assert EvalSettings.from_config(config).reasoning_parser == "deepseek_r1"
+    for bad in ({"modes": {"thinking": True}}, {"modes": {"a b": {}}}, {"reasoning_parser": 3}):
+        config = copy.deepcopy(base)
+        config["evaluate"].update(bad)
+        with pytest.raises(WorkflowError):
+            validate(config, schema)
+    config = copy.deepcopy(base)
+    config["evaluate"]["modes"] = {"thinking": True}  # past the schema: named all the same
+    with pytest.raises(ValueError, match="evaluate.modes.thinking is True; a mode is a mapping"):
+        EvalSettings.from_config(config)
+
+
 # ---------------------------------------------------------------- turns
 
 
@@ -204,7 +239,7 @@ def test_the_second_turn_is_asked_after_the_targets_own_first_reply():
     (its generated tokens decoded), not a reference answer; counters add up over turns."""
     rendered = []
 
-    def render(messages):
+    def render(messages, tools=(), kwargs=None):
         rendered.append([dict(m) for m in messages])
         return list(range(10 * len(messages)))
 
@@ -648,3 +683,226 @@ def test_gpu_examples_turn_speed_on_and_the_default_leaves_it_off():
         example = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
         assert example["evaluate"]["speed"] is True, name
         assert example["evaluate"]["speed_concurrencies"] == [1, 8, 32], name
+
+
+# ---------------------------------------------------------------- modes, parts and tools
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+
+
+def test_each_mode_is_measured_by_the_same_loads_and_reported_per_set_mode_and_k(
+    tmp_path, monkeypatch
+):
+    """`evaluate.modes`: every prompt goes to each load once per mode, rendered with that
+    mode's template kwargs and the row's tools; the loads are the k sweep's, not one more per
+    mode; acceptance.json keeps each mode's runs and acceptance.md has a column per set and
+    mode, and the reasoning's and the answer's figures where replies were split."""
+    import eagleflow.evaluate.acceptance as acc
+    from eagleflow.engine.settings import EngineSettings
+
+    rows = [
+        {
+            "id": f"c{i}",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": "a"},
+            ],
+        }
+        for i in range(40)
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    seen = []
+
+    def record(item, k):  # thinking: 3 of 4 accepted in the reasoning, 1 of 2 in the answer
+        thinking = item["chat_template_kwargs"].get("thinking", True)
+        reasoning = [4, 3] if thinking else [0, 0]
+        return {
+            "counters": {
+                "num_drafts": reasoning[0] + 2,
+                "num_draft_tokens": k * (reasoning[0] + 2),
+                "num_accepted_tokens": reasoning[1] + 1,
+                "num_accepted_tokens_per_pos": [reasoning[1] + 1] + [0] * (k - 1),
+            },
+            "parts": {
+                "reasoning": {
+                    "num_drafts": reasoning[0],
+                    "num_draft_tokens": k * reasoning[0],
+                    "num_accepted_tokens": reasoning[1],
+                    "num_accepted_tokens_per_pos": [reasoning[1]] + [0] * (k - 1),
+                },
+                "answer": {
+                    "num_drafts": 2,
+                    "num_draft_tokens": 2 * k,
+                    "num_accepted_tokens": 1,
+                    "num_accepted_tokens_per_pos": [1] + [0] * (k - 1),
+                },
+            },
+            "turns": [[7]],
+            "replies": ["x"],
+            "prompt_tokens": [3],
+            "turns_skipped": 0,
+        }
+
+    def fake_vllm(engine, speculation, items, job, workdir, log=print, tag=""):
+        seen.append((speculation.k, [dict(it["chat_template_kwargs"]) for it in items]))
+        assert all(it["tools"] == TOOLS for it in items)
+        assert job["reasoning_parser"] == "kimi_k2"
+        return {"counters": {}, "records": [record(it, speculation.k) for it in items]}
+
+    monkeypatch.setattr(acc, "run_vllm_sets", fake_vllm)
+    config = {
+        "data": {
+            "path": data,
+            "heldout_modulus": 4,
+            "max_length": 512,
+            "chat_template_kwargs": {"x": 1},
+        },
+        "evaluate": {
+            "speculative_tokens": [1, 2],
+            "num_prompts": 3,
+            "max_tokens": 8,
+            "paths": ["vllm_eagle3"],
+            "modes": {"thinking": {"thinking": True}, "instant": {"thinking": False}},
+            "reasoning_parser": "kimi_k2",
+        },
+    }
+    out = [tmp_path / n for n in ("acceptance.json", "acceptance.png", "acceptance.md")]
+    report = acc.evaluate(
+        EngineSettings(target="t"), "export", data, EvalSettings.from_config(config), out,
+        tmp_path / "work", log=lambda line: None,
+    )  # fmt: skip
+    modes = [{"x": 1, "thinking": True}] * 3 + [{"x": 1, "thinking": False}] * 3
+    assert seen == [(1, modes), (2, modes)] and report["engine_loads"] == 2
+    assert report["modes"] == {"thinking": modes[0], "instant": modes[3]}
+    thinking = report["runs_by_mode"]["thinking"]["heldout"]["2"]["vllm_eagle3"]
+    instant = report["runs_by_mode"]["instant"]["heldout"]["2"]["vllm_eagle3"]
+    assert report["runs"]["heldout"]["2"]["vllm_eagle3"] == thinking  # the first mode's
+    assert thinking["acceptance_length"] == 1 + 4 / 6 and instant["acceptance_length"] == 1.5
+    assert thinking["by_part"]["reasoning"]["acceptance_length"] == 1.75
+    assert thinking["by_part"]["answer"]["acceptance_length"] == 1.5
+    assert instant["by_part"]["reasoning"]["num_drafts"] == 0
+    assert instant["by_part"]["reasoning"]["prompts"] == 0
+    md = out[2].read_text()
+    assert "| mode `thinking` | chat template `{x: 1, thinking: true}` |" in md
+    assert "| mode `instant` | chat template `{x: 1, thinking: false}` |" in md
+    assert "| engine | k | temperature | heldout (thinking) | heldout (instant) |" in md
+    assert "| vLLM eagle3 | 2 | 0 (greedy) | 1.67 | 1.50 |" in md
+    assert (
+        "| heldout (thinking) | vLLM eagle3 | 2 | 0 (greedy) | 1.67 | 1.75 | 1.50 | 12 | 6 |" in md
+    )
+    assert "| heldout (instant) | vLLM eagle3 | 1 | 0 (greedy) | 1.50 | - | 1.50 | 0 | 6 |" in md
+    assert out[1].stat().st_size > 1000
+
+
+def test_a_reply_is_generated_in_two_requests_split_where_its_reasoning_ends(tokenizer):
+    """`ReplyParts`: a turn whose prompt opens `<think>` (the replica's thinking mode) is
+    generated up to the reasoning's end token, then continued from the prompt and those tokens
+    with the rest of the budget; the tokens are the ones one request gives, and each request's
+    counters go to its part. Instant mode's prompt closes the block: one request, all answer.
+    A reply cut inside its reasoning has no answer request."""
+    from eagleflow.evaluate.turns import ReplyParts, chat_renderer
+    from support.chat_templates import kimi_style
+
+    tok = kimi_style(tokenizer)
+    think, close = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    reasoning = tok.encode("Add two and two.", add_special_tokens=False)
+    answer = tok.encode("Four.", add_special_tokens=False)
+    calls = []
+
+    def generate(ids, stop=(), max_tokens=None):
+        """The greedy reply `reasoning </think> answer <|im_end|>` (after the prompt's open
+        think block; instant mode answers at once), from wherever `ids` leave it; one draft
+        step per two tokens, one of them accepted."""
+        reply = (reasoning + [close] if ids[-1] == think else []) + answer + [end]
+        start = next(i for i in range(len(ids), 0, -1) if ids[i - 1] in (think, close))
+        out = []
+        for t in reply[len(ids) - start :][: max_tokens or 40]:
+            out.append(t)
+            if t in stop or t == end:
+                break
+        calls.append((len(ids), sorted(stop), max_tokens))
+        steps = len(out) // 2
+        return out, {
+            "num_drafts": steps,
+            "num_draft_tokens": steps,
+            "num_accepted_tokens": steps,
+            "num_accepted_tokens_per_pos": [steps],
+        }
+
+    parts = ReplyParts(frozenset({close}), lambda ids: ids[-1] == think)
+    render = chat_renderer(tok)
+    item = {"messages": [{"role": "user", "content": "2+2?"}], "followups": []}
+    r = run_conversation(item, render, generate, tok.decode, 1, None, parts, 40)
+    prompt = render(item["messages"])
+    assert r["turns"] == [reasoning + [close] + answer + [end]]
+    n = len(reasoning) + 1
+    assert calls == [(len(prompt), [close], 40), (len(prompt) + n, [], 40 - n)]
+    assert r["parts"]["reasoning"]["num_drafts"] == n // 2
+    assert r["parts"]["answer"]["num_drafts"] == (len(answer) + 1) // 2
+    assert r["counters"]["num_drafts"] == n // 2 + (len(answer) + 1) // 2
+    calls.clear()
+    instant = {**item, "chat_template_kwargs": {"thinking": False}}
+    r = run_conversation(instant, render, generate, tok.decode, 1, None, parts, 40)
+    assert r["turns"] == [answer + [end]] and len(calls) == 1
+    assert r["parts"]["reasoning"]["num_drafts"] == 0
+    assert r["parts"]["answer"] == r["counters"]
+    calls.clear()
+    r = run_conversation(item, render, generate, tok.decode, 1, None, parts, 3)  # cut
+    assert r["turns"] == [reasoning[:3]] and len(calls) == 1
+    assert r["parts"]["answer"]["num_drafts"] == 0
+    with pytest.raises(ValueError, match="needs the turn's max_tokens"):
+        run_conversation(item, render, generate, tok.decode, 1, None, parts)
+
+
+def test_heldout_and_chat_prompts_keep_the_rows_tools_in_the_rendered_prompt(tokenizer, tmp_path):
+    """A held-out tool row's prompt renders its tool declarations, as the target's template
+    renders them in service (Kimi: a `tool_declare` turn); so does a `chat` set's row."""
+    from eagleflow.evaluate.acceptance import conversation_items
+    from eagleflow.evaluate.turns import chat_renderer
+    from support.chat_templates import kimi_style
+
+    rows = [
+        {
+            "id": f"t{i}",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": f"Weather {i}?"},
+                {"role": "assistant", "content": "Sunny."},
+            ],
+        }
+        for i in range(6)
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    held = read_set(PromptSet("heldout", data, "heldout"), 10, heldout_modulus=1)
+    chat = read_set(PromptSet("chat", data, "chat"), 10)
+    assert len(held) == len(chat) == 6
+    assert all(p.tools == tuple(TOOLS) for p in held + chat)
+    tok = kimi_style(tokenizer)
+    render = chat_renderer(tok)
+    for item in conversation_items(held[:1] + chat[:1], [("", {})]):
+        text = tok.decode(render(item["messages"], item["tools"], item["chat_template_kwargs"]))
+        assert text.startswith('<|im_system|>tool_declare<|im_middle|>[{"type": "function"')
+
+
+@pytest.mark.slow  # imports vLLM (its reasoning parsers), no engine
+def test_vllms_kimi_parser_says_where_a_replica_reply_starts_and_ends_reasoning(tokenizer):
+    """`reply_parts("kimi_k2")` on the replica's template: a thinking-mode prompt (open
+    `<think>`) starts the reply in reasoning, an instant-mode one (`<think></think>`) does not;
+    `</think>` and a tool-call section end it. An unknown parser is named."""
+    from eagleflow.evaluate.turns import chat_renderer, reply_parts
+    from support.chat_templates import kimi_style
+
+    tok = kimi_style(tokenizer)
+    parts = reply_parts("kimi_k2", tok)
+    ends = {tok.convert_tokens_to_ids(t) for t in ("</think>", "<|tool_calls_section_begin|>")}
+    assert ends <= parts.end_ids
+    render = chat_renderer(tok)
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert parts.opens(render(messages)) and not parts.opens(
+        render(messages, (), {"thinking": False})
+    )
+    assert reply_parts(None, tok) is None
+    with pytest.raises(ValueError, match="evaluate.reasoning_parser is 'nope'"):
+        reply_parts("nope", tok)

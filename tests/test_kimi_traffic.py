@@ -4,13 +4,17 @@ goes through `snakemake extract` (per-form counts in the shard summary, each row
 inside the loss mask of the decoded token shards, history's reasoning stripped as the replica's
 template strips it, the hidden-state shards verified); and regeneration in thinking mode
 (`data.regenerate.reasoning_parser: kimi_k2`) writes rows with `reasoning_content` and
-`content` that render back to the tokens the engine generated.
+`content` that render back to the tokens the engine generated, tool rows regenerated turn by
+turn (`tool_parser: kimi_k2`); and `snakemake all` on the extracted mixed rows trains a draft
+and evaluates it in two modes (`evaluate.modes`: thinking and instant), the acceptance report
+giving AL per mode and, split by vLLM's `kimi_k2` reasoning parser, of the reasoning and of
+the answer.
 
-One working directory for the module, built by two Snakemake runs (two engine loads in all):
-the replica is built once (briefly trained: see REPLICA) and shared by both runs, which
-write to their own `results_dir`. Regeneration turns every assistant turn into the target's
-own, and rows with tool traffic are named rejects there, so the mixed forms are extracted as
-written and the regeneration run answers prompt-only rows."""
+One working directory for the module, built by three Snakemake runs (three engine loads in
+all): the replica is built once (briefly trained: see REPLICA) and shared by every run; the
+regeneration run writes to its own `results_dir`, and `all` continues the extraction run's
+(no re-extraction), its one evaluation engine serving both modes. Regeneration turns every
+assistant turn into the target's own, so the mixed forms are extracted as written."""
 
 import csv
 import json
@@ -92,6 +96,12 @@ def mixed_rows() -> list[dict]:
     return rows
 
 
+def tool_rows() -> list[dict]:
+    """Two tool rows for regeneration (the mixed rows' form): the target answers the user turn,
+    and the tool result only if it made the row's call."""
+    return [{**r, "id": f"regen-{r['id']}"} for r in mixed_rows() if "tools" in r][:2]
+
+
 def prompt_rows() -> list[dict]:
     """Prompt-only rows for regeneration, two user turns each (the second answered with the
     first reply in its history): sums in the replica's `reasoning` family (it starts to work
@@ -126,7 +136,7 @@ def traffic(tmp_path_factory):
     the prompt rows regenerated in thinking mode and sharded."""
     workdir = tmp_path_factory.mktemp("kimi-traffic")
     mixed = write_jsonl(workdir / "mixed.jsonl", mixed_rows())
-    prompts = write_jsonl(workdir / "prompts.jsonl", prompt_rows())
+    prompts = write_jsonl(workdir / "prompts.jsonl", prompt_rows() + tool_rows())
     extract = merged(REPLICA, {"data": {"path": str(mixed), "shard_size": 6}})
     regen = merged(
         REPLICA,
@@ -134,10 +144,15 @@ def traffic(tmp_path_factory):
             "results_dir": "results-regen",
             "data": {
                 "path": str(prompts),
-                "shard_size": 6,
+                "shard_size": 8,
                 "regenerate": merged(
                     SHORT_REGENERATION,
-                    {"reasoning_parser": "kimi_k2", "max_new_tokens": 24, "chunk_rows": 6},
+                    {
+                        "reasoning_parser": "kimi_k2",
+                        "tool_parser": "kimi_k2",
+                        "max_new_tokens": 24,
+                        "chunk_rows": 8,
+                    },
                 ),
             },
         },
@@ -149,6 +164,57 @@ def traffic(tmp_path_factory):
     snakemake(workdir, "results-regen/shards/manifest.parquet", config=regen)
     print(f"prompt rows regenerated in thinking mode and sharded: {time.time() - t0:.0f} s")
     return workdir
+
+
+# `all` after the extraction: a short draft training on the mixed rows' shards, evaluated on
+# the first three mixed rows (a reasoning_content, an inline <think> and a tool row, each up to
+# its first user turn, the tool row with its tools) in both modes, at k = 1: one engine.
+EVALUATION = {
+    "draft": {
+        "vocab_size": 256,
+        "max_steps": 6,
+        "batch_packs": 2,
+        "save_every": 6,
+        "eval_every": 6,
+        "max_tokens": 256,
+        "warmup_ratio": 0.2,
+    },
+    "evaluate": {
+        "speculative_tokens": 1,
+        "paths": ["vllm_eagle3"],
+        "max_tokens": 16,
+        "modes": {"thinking": {"thinking": True}, "instant": {"thinking": False}},
+        "reasoning_parser": "kimi_k2",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def evaluated(traffic):
+    """`snakemake all` continuing the extraction run of `traffic`: its acceptance report."""
+    mixed = traffic / "mixed.jsonl"
+    config = merged(
+        merged(REPLICA, {"data": {"path": str(mixed), "shard_size": 6}}),
+        merged(
+            EVALUATION,
+            {
+                "evaluate": {
+                    "sets": [{"name": "mixed", "path": str(mixed), "format": "chat", "limit": 3}]
+                }
+            },
+        ),
+    )
+    t0 = time.time()
+    proc = snakemake(traffic, config=config)
+    print(f"draft trained, exported and evaluated in two modes: {time.time() - t0:.0f} s")
+    fp = hidden_dir(traffic).name
+    out = traffic / "results" / "eval" / fp
+    return {
+        "report": json.loads((out / "acceptance.json").read_text()),
+        "table": (out / "acceptance.md").read_text(),
+        "log": (traffic / "results" / "logs" / "evaluate" / f"{fp}.log").read_text(),
+        "stdout": proc.stdout + proc.stderr,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +336,30 @@ def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_gener
         .read_text()
         .splitlines()
     ]
-    prompts = prompt_rows()
-    assert summary["rows_kept"] == len(rows) == len(prompts) and summary["rows_rejected"] == 0
+    prompts, tools = prompt_rows(), tool_rows()
+    assert summary["rows_kept"] == len(rows) == len(prompts) + len(tools)
+    assert summary["rows_rejected"] == 0
     replies = [m for r in rows for m in r["messages"] if m["role"] == "assistant"]
-    assert len(replies) == summary["replies_now"] == 2 * len(prompts)
-    assert all(set(m) <= {"role", "reasoning_content", "content"} for m in replies), replies
+    assert len(replies) == summary["replies_now"]
+    assert all(set(m) <= {"role", "reasoning_content", "content", "tool_calls"} for m in replies), (
+        replies
+    )
+    # tool rows: the user turn and the tools as given, the target's reply; the row's tool
+    # result kept only after a reply that made the row's call, else the row ends there
+    by_id = {r["id"]: r for r in rows}
+    ended = 0
+    for given in tools:
+        got = by_id[given["id"]]
+        assert got["tools"] == TOOLS and got["messages"][0] == given["messages"][0]
+        assert got["messages"][1]["role"] == "assistant"
+        if len(got["messages"]) == 2:
+            ended += 1
+        else:
+            assert got["messages"][1]["tool_calls"] == [CALL]
+            assert got["messages"][2] == given["messages"][2]
+    assert summary["tool_calls_diverged_now"] == ended
+    rows = [r for r in rows if r["id"].startswith("p")]
+    assert len(rows) == len(prompts)
     assert all(isinstance(m["content"], str) for m in replies)
     assert any(m.get("reasoning_content") for m in replies), replies
     finished = summary["finish_reasons_now"]
@@ -288,7 +373,7 @@ def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_gener
     assert sum(checked.values()) == len(replies)  # every reply checked
 
     samples = decoded_samples(results, tok)
-    for r in rows:
+    for r in rows:  # the prompt rows
         first, second = [m for m in r["messages"] if m["role"] == "assistant"]
         trained1, _ = samples[f"{r['id']}#turn1"]
         trained2, rest2 = samples[f"{r['id']}#turn2"]
@@ -296,3 +381,52 @@ def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_gener
         assert trained2.startswith(second.get("reasoning_content", "") + "</think>")
         # the first reply as history: its reasoning emptied to a think block
         assert "<think></think>" + first["content"] + "<|im_end|>" in rest2
+
+
+def test_all_on_the_replica_reports_acceptance_per_mode_and_per_part_of_the_reply(evaluated, tok):
+    """`snakemake all` on the extracted mixed rows: a draft trained, exported and evaluated by
+    one vLLM engine in both modes (`evaluate.modes`). The prompts are rendered per mode (the
+    instant prompt closes the think block the thinking one opens) with each row's tools;
+    acceptance.md gives AL per set and mode, and of the reasoning and the answer, split by
+    vLLM's `kimi_k2` parser: thinking-mode replies start in reasoning, instant ones are all
+    answer."""
+    from eagleflow.evaluate.turns import chat_renderer
+
+    report, table = evaluated["report"], evaluated["table"]
+    assert report["engine_loads"] == 1 and report["reasoning_parser"] == "kimi_k2"
+    assert report["modes"] == {"thinking": {"thinking": True}, "instant": {"thinking": False}}
+    rows = mixed_rows()[:3]
+    render = chat_renderer(tok)
+    figures = {}
+    for mode, kwargs in report["modes"].items():
+        r = report["runs_by_mode"][mode]["mixed"]["1"]["vllm_eagle3"]
+        assert "error" not in r, r
+        figures[mode] = r
+        expected = [[len(render(r0["messages"][:1], r0.get("tools", ()), kwargs))] for r0 in rows]
+        assert r["prompt_tokens"] == expected, mode  # the tool row's prompt holds its tools
+        assert r["prompts"] == 3 and r["num_drafts"] > 0
+        assert 1.0 <= r["acceptance_length"] <= 2.0
+        parts = r["by_part"]
+        assert parts["reasoning"]["num_drafts"] + parts["answer"]["num_drafts"] == r["num_drafts"]
+    thinking, instant = figures["thinking"], figures["instant"]
+    assert thinking["by_part"]["reasoning"]["num_drafts"] > 0
+    assert instant["by_part"]["reasoning"]["num_drafts"] == 0
+    assert instant["by_part"]["answer"]["acceptance_length"] == instant["acceptance_length"]
+    modes = list(report["modes"])  # in the config's order (the test's YAML sorts its keys)
+    assert f"| engine | k | temperature | {' | '.join(f'mixed ({m})' for m in modes)} |" in table
+    al = " | ".join(f"{figures[m]['acceptance_length']:.2f}" for m in modes)
+    assert f"| vLLM eagle3 | 1 | 0 (greedy) | {al} |" in table
+    assert "## Reasoning and answer" in table
+    assert "| mixed (thinking) | vLLM eagle3 | 1 |" in table
+    assert "| mixed (instant) | vLLM eagle3 | 1 |" in table
+    assert "engine loads: 1 vLLM engine(s)" in evaluated["log"]
+    print(
+        "AL per mode:",
+        {
+            m: (
+                f["acceptance_length"],
+                {p: x["acceptance_length"] for p, x in f["by_part"].items()},
+            )
+            for m, f in figures.items()
+        },
+    )

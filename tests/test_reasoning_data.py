@@ -649,7 +649,12 @@ def test_thinking_replies_split_by_vllms_parser_re_render_to_the_generated_token
             out.append((text, "stop", generated[-1][1]))
         return out
 
-    form = ReplyForm(reasoning_splitter("kimi_k2", tok), rerender=conversation_renderer(tok))
+    split = reasoning_splitter("kimi_k2", tok)
+    # vLLM's parser strips the reasoning's trailing whitespace; kept as generated, found
+    # through vLLM on the replica (a reply cut at the budget after a space)
+    assert split("1 1 1 ") == ("1 1 1 ", None) and split("r </think> ans ") == ("r ", " ans ")
+    assert split("Think.</think>It is.") == ("Think.", "It is.")
+    form = ReplyForm(split, rerender=conversation_renderer(tok))
     rows, bad, stats = regenerate_conversations(convs, generate, render, 1000, form=form)
     assert not bad and stats["replies"] == 3
     assert stats["rerendered"] == {"exact": 3, "cut": 0, "mismatched": 0}
@@ -715,3 +720,190 @@ def test_a_reply_that_does_not_render_back_to_its_tokens_is_counted_and_named(to
     assert rerender_check(prompt, [close], [1, 2, 3, close, end], "length") is None
     assert rerender_check(prompt, [end], [1, 2, 3, close, end], "stop") == 0
     assert rerender_check(prompt, [close, end], [1, 2, 3, close], "stop") == 1
+
+
+def test_tool_rows_are_answered_where_the_dataset_has_its_assistant_turns():
+    """Tool rows: the target answers wherever the row has an assistant turn (after the user
+    turn, after the tool result, after the next user turn), with the dataset's turn it replaces;
+    calls compare by name, arguments as JSON values and ids where both have one."""
+    from eagleflow.data.conversations import Conversation
+    from eagleflow.regenerate.replies import answer_points, same_calls
+
+    agent = Conversation("a", normalize_messages({"messages": AGENT}), "f", 1, tuple(TOOLS))
+    points = answer_points(agent, True)
+    assert [([m["role"] for m in turns], given) for turns, given in points] == [
+        (["user"], AGENT[1]),
+        (["tool"], AGENT[3]),
+        (["user"], AGENT[5]),
+    ]
+    assert points[1][0] == [AGENT[2]]  # the tool result as given
+    # ending on a tool result: the target answers it
+    assert answer_points(Conversation("b", tuple(AGENT[:3]), "f", 2), True)[-1] == (
+        [AGENT[2]],
+        None,
+    )
+    # without tool traffic: after each user turn, as before
+    plain = normalize_messages(ROWS[1])
+    assert [given for _, given in answer_points(Conversation("c", plain, "f", 3), False)] == [
+        None,
+        None,
+    ]
+    as_object = {**CALL, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    assert same_calls([CALL], [as_object]) and same_calls([CALL], [{**CALL, "id": None}])
+    assert not same_calls([CALL], [{**CALL, "id": "functions.weather:1"}])
+    other = {**CALL, "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}
+    assert not same_calls([CALL], [other]) and not same_calls([CALL], []) and same_calls([], [])
+
+
+@pytest.mark.slow  # imports vLLM (its reasoning and tool parsers), no engine
+def test_tool_rows_are_regenerated_turn_by_turn_and_end_where_the_targets_calls_differ(
+    tokenizer, tmp_path
+):
+    """Regeneration of tool rows in thinking mode, the engine replaced by replies written out
+    and split by vLLM's kimi_k2 reasoning and tool parsers. A row whose first reply makes the
+    dataset's call keeps the dataset's tool result and is answered to its end, every reply
+    rendering back to its generated tokens and every sample to the prompt the target was given
+    plus those tokens. A row whose first reply makes no call ends with that reply (its tool
+    result answers nothing the target asked), counted and named. Without a tool parser, tool
+    rows are named rejects."""
+    from eagleflow.regenerate.replies import (
+        TOOL_ROWS,
+        ReplyForm,
+        chat_renderer,
+        conversation_renderer,
+        reasoning_splitter,
+        regenerate_conversations,
+        tool_splitter,
+    )
+
+    tok = kimi_style(tokenizer)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rome = [{**AGENT[0], "content": "What is the weather in Rome?"}, *AGENT[1:]]
+    rows_in = [
+        {"id": "paris", "messages": AGENT, "tools": TOOLS},
+        {"id": "rome", "messages": rome, "tools": TOOLS},
+    ]
+    convs, _ = read_conversations(write_jsonl(tmp_path / "d.jsonl", rows_in))
+    call_text = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    )
+    generated = []
+
+    def generate(prompts):
+        out = []
+        for p in prompts:
+            text = tok.decode(p)
+            turn = text.count("<|im_assistant|>")  # the generation prompt's included
+            if turn == 1:
+                reply = "No tool.</think>Sunny." if "Rome" in text else "Look.</think>" + call_text
+            else:
+                reply = "Sunny it is.</think>Sunny." if turn == 2 else "Guess.</think>Rain."
+            generated.append((list(p), tok.encode(reply, add_special_tokens=False) + [end]))
+            out.append((reply, "stop", generated[-1][1]))
+        return out
+
+    logged = []
+    form = ReplyForm(
+        reasoning_splitter("kimi_k2", tok),
+        rerender=conversation_renderer(tok),
+        calls=tool_splitter("kimi_k2", tok),
+    )
+    rows, bad, stats = regenerate_conversations(
+        convs, generate, chat_renderer(tok), 10_000, logged.append, form
+    )
+    assert not bad and stats["replies"] == 4 and stats["tool_calls_diverged"] == 1
+    assert stats["rerendered"] == {"exact": 4, "cut": 0, "mismatched": 0}
+    paris, rome_row = rows
+    assert paris["tools"] == TOOLS and [m["role"] for m in paris["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert paris["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Look.",
+        "tool_calls": [CALL],
+    }
+    assert paris["messages"][2] == AGENT[2]  # the user's tool result, as given
+    assert rome_row["messages"] == [
+        rome[0],
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "No tool."},
+    ]
+    assert any(m.startswith("rome, reply 1: the target's tool calls are not") for m in logged)
+    r = render_conversation(tok, normalize_messages(paris), 10_000, tools=TOOLS)
+    by_prompt = {tuple(p): g for p, g in generated}
+    assert [s for s, _ in r.samples] == ["#turn1", "#turn2"]
+    for _, t in r.samples:  # each trained span: a reply exactly as generated after its prompt
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], t.loss_mask])) == 1)
+        ends = np.flatnonzero(np.diff(np.concatenate([t.loss_mask, [0]])) == -1) + 1
+        for a, b in zip(starts, ends):
+            prompt = tuple(int(x) for x in t.input_ids[:a])
+            assert prompt in by_prompt
+            np.testing.assert_array_equal(t.input_ids[a:b], by_prompt[prompt])
+    rows, bad, _ = regenerate_conversations(
+        convs,
+        generate,
+        chat_renderer(tok),
+        10_000,
+        form=ReplyForm(reasoning_splitter("kimi_k2", tok)),
+    )
+    assert rows == [] and [(b.source_row, b.reason) for b in bad] == [
+        (1, TOOL_ROWS),
+        (2, TOOL_ROWS),
+    ]
+
+
+def test_the_replica_prompts_the_target_as_the_published_kimi_template_does(tokenizer):
+    """Kimi-K2.5's history rule on the replica: before every assistant turn of a conversation
+    of answers and tool loops, the prompt the target reads (generation prompt included) is the
+    same under the replica's template and under the published rule: every earlier assistant
+    turn with an empty `<think></think>`, the turns of the tool loop being written with their
+    reasoning, and `<think>` opened for the reply. (They differ only on a finished answer
+    rendered as text, where the published rule drops its reasoning: the test above.)"""
+    from support.chat_templates import kimi_published_rule, kimi_tokens
+
+    replica = kimi_style(tokenizer)
+    published = with_template(tokenizer, kimi_published_rule(), kimi_tokens())
+    sunday = {**CALL, "id": "functions.weather:1"}
+    conversation = [
+        *AGENT,
+        {"role": "user", "content": "And Sunday?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Ask again.",
+            "tool_calls": [sunday],
+        },
+        {
+            "role": "tool",
+            "content": "cold",
+            "tool_call_id": "functions.weather:1",
+            "name": "weather",
+        },
+        {"role": "assistant", "content": "Cold.", "reasoning_content": "The tool says cold."},
+    ]
+    turns = [i for i, m in enumerate(conversation) if m["role"] == "assistant"]
+    for i in turns:
+        prompt = [
+            tok.apply_chat_template(
+                conversation[:i], tools=TOOLS, add_generation_prompt=True, tokenize=False
+            )
+            for tok in (replica, published)
+        ]
+        assert prompt[0] == prompt[1], i
+        text = prompt[0]
+        assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+        last_user = max(j for j in range(i) if conversation[j]["role"] == "user")
+        for j in turns:
+            if j >= i:
+                break
+            reasoning = conversation[j]["reasoning_content"]
+            # history before the last user turn: emptied; the loop being written: kept
+            assert (f"<think>{reasoning}</think>" in text) == (j > last_user), (i, j)
+        assert text.count("<think></think>") == sum(j < last_user for j in turns if j < i)

@@ -34,6 +34,7 @@ checkpoint split_sources:
         chat_template_kwargs=config["data"]["chat_template_kwargs"],
         reasoning_parser=REGENERATE["reasoning_parser"],
         on_truncated=REGENERATE["on_truncated"],
+        tool_parser=REGENERATE["tool_parser"],
     script:
         "../scripts/split_sources.py"
 

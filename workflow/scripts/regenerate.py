@@ -41,6 +41,6 @@ if __name__ == "__main__":
                 regeneration.max_new_tokens,
                 server,
                 stack,
-                keep_special_tokens=regeneration.reasoning_parser is not None,
+                keep_special_tokens=regeneration.keeps_special_tokens,
             ),
         )

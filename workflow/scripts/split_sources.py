@@ -12,6 +12,7 @@ with redirect_to_log(snakemake.log[0]):
         dict(p.chat_template_kwargs),
         p.reasoning_parser,
         p.on_truncated,
+        p.tool_parser,
     )
     manifest = split_sources(snakemake.input.data, identity, p.shard_rows)
     write_manifest(manifest, snakemake.output.manifest)

@@ -45,7 +45,8 @@ def split(conversations, modulus: int = HELDOUT_MODULUS):
 
 def heldout_prompts(conversations, modulus: int = HELDOUT_MODULUS, limit: int | None = None):
     """One prompt per held-out conversation: its messages up to and including the first user
-    turn, plus the dataset's reply to it (None for prompt-only rows)."""
+    turn, the row's `tools` (the template renders them into the prompt), plus the dataset's
+    reply to it (None for prompt-only rows)."""
     out = []
     for c in split(conversations, modulus)[1]:
         msgs = list(c.messages)
@@ -55,6 +56,7 @@ def heldout_prompts(conversations, modulus: int = HELDOUT_MODULUS, limit: int | 
             {
                 "sample_id": c.sample_id,
                 "messages": msgs[: first_user + 1],
+                "tools": list(c.tools),
                 "reference": reply["content"] if reply and reply["role"] == "assistant" else None,
             }
         )

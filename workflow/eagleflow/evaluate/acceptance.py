@@ -59,6 +59,7 @@ def load_prompts(
     for p in heldout_prompts(conversations, modulus, limit):
         ids = tok.apply_chat_template(
             p["messages"],
+            tools=p["tools"] or None,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -165,7 +166,31 @@ def aggregate(records: list[dict], k: int) -> dict:
         [[t for turn in r["turns"] for t in turn] for r in measured]
     )
     result["output_token_ids"] = [[t for turn in r["turns"] for t in turn] for r in records]
+    if measured and all("parts" in r for r in measured):
+        result["by_part"] = part_figures(measured, k)
     return result
+
+
+def part_figures(records: list[dict], k: int) -> dict:
+    """The reasoning's and the answer's figures (`parts` of per-prompt records,
+    eagleflow.evaluate.turns): each part's summed counters summarized, and its interval over
+    the prompts with draft steps in that part."""
+    from eagleflow.evaluate.turns import PARTS, add_counters, zero_counters
+
+    out = {}
+    for part in PARTS:
+        total = zero_counters(k)
+        for r in records:
+            add_counters(total, r["parts"][part])
+        figures = summarize(total, k)
+        drafted = [r["parts"][part] for r in records if r["parts"][part]["num_drafts"]]
+        figures["prompts"] = len(drafted)
+        figures["interval"] = al_interval(
+            [int(c["num_drafts"]) for c in drafted],
+            [int(c["num_accepted_tokens"]) for c in drafted],
+        )
+        out[part] = figures
+    return out
 
 
 def by_category(categories: list[str | None], records: list[dict], k: int) -> dict:
@@ -223,17 +248,25 @@ def propose(draft, aux: torch.Tensor, shifted: torch.Tensor, k: int) -> list[int
 
 
 def reference_generate(
-    target, draft, ids: list[int], k: int, max_tokens: int, eos_token_id: int | None = None
+    target,
+    draft,
+    ids: list[int],
+    k: int,
+    max_tokens: int,
+    eos_token_id: int | None = None,
+    stop=(),
 ) -> tuple[list[int], dict]:
     """One prompt through the loop of the module docstring: (output ids, vLLM-style
-    counters)."""
+    counters). It stops after `eos_token_id` or any token of `stop` (kept in the output, as
+    vLLM keeps a stop token id)."""
+    ends = {eos_token_id, *stop} - {None}
     ids = list(ids)
     n_prompt = len(ids)
     drafts = accepted = 0
     per_pos = [0] * k
     greedy, aux = target(ids)
     ids.append(int(greedy[-1]))  # prefill: the target's first token, no draft yet
-    while len(ids) - n_prompt < max_tokens and ids[-1] != eos_token_id:
+    while len(ids) - n_prompt < max_tokens and ids[-1] not in ends:
         # aux of positions 0..len-2 (the newest token has no target state yet)
         proposal = propose(draft, aux[: len(ids) - 1], torch.tensor(ids[1:]), k)
         greedy, aux = target(ids + proposal)
@@ -246,8 +279,9 @@ def reference_generate(
         for i in range(a):
             per_pos[i] += 1
         new = proposal[:a] + [check[a]]
-        if eos_token_id in new:
-            new = new[: new.index(eos_token_id) + 1]
+        end = next((i for i, t in enumerate(new) if t in ends), None)
+        if end is not None:
+            new = new[: end + 1]
         ids += new[: max_tokens - (len(ids) - n_prompt)]
     counters = {
         "num_drafts": drafts,
@@ -464,6 +498,9 @@ class EvalSettings:
     heldout_modulus: int = HELDOUT_MODULUS
     paths: tuple[str, ...] = ("vllm_eagle3", "vllm_ngram", "reference")
     chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+    # evaluate.modes: (name, chat-template kwargs over chat_template_kwargs); () one mode
+    modes: tuple[tuple[str, dict], ...] = ()
+    reasoning_parser: str | None = None  # vLLM's, to split replies into reasoning and answer
     temperature: float = 0.0
     seed: int = 0
     sets: tuple = ()  # PromptSets (eagleflow.evaluate.sets); () : the held-out split
@@ -478,12 +515,30 @@ class EvalSettings:
         first; the k of the report's `results` and of the benchmarks that measure one."""
         return 3 if 3 in self.ks else self.ks[0]
 
+    def mode_kwargs(self) -> list[tuple[str, dict]]:
+        """Each mode's name and the chat-template kwargs its prompts are rendered with
+        (data.chat_template_kwargs, the mode's own over them); one unnamed mode without
+        evaluate.modes."""
+        if not self.modes:
+            return [("", dict(self.chat_template_kwargs))]
+        return [(name, {**self.chat_template_kwargs, **kw}) for name, kw in self.modes]
+
     @classmethod
     def from_config(cls, config: dict) -> EvalSettings:
         from eagleflow.evaluate.sets import sets_from_config
 
         ev = config["evaluate"]
         k = ev["speculative_tokens"]
+        modes = ev.get("modes") or {}
+        for name, kw in modes.items():
+            if not isinstance(kw, dict):
+                raise ValueError(
+                    f"evaluate.modes.{name} is {kw!r}; a mode is a mapping of chat-template "
+                    "keyword arguments (e.g. {thinking: false})"
+                )
+        parser = ev.get("reasoning_parser") or (config["data"].get("regenerate") or {}).get(
+            "reasoning_parser"
+        )
         return cls(
             ks=tuple(int(x) for x in (k if isinstance(k, list) else [k])),
             max_tokens=ev["max_tokens"],
@@ -491,6 +546,8 @@ class EvalSettings:
             heldout_modulus=config["data"]["heldout_modulus"],
             paths=tuple(ev["paths"]),
             chat_template_kwargs=dict(config["data"].get("chat_template_kwargs") or {}),
+            modes=tuple((str(name), dict(kw)) for name, kw in modes.items()),
+            reasoning_parser=parser or None,
             temperature=float(ev.get("temperature", 0.0)),
             seed=int(ev.get("seed", 0)),
             sets=tuple(sets_from_config(config)),
@@ -537,9 +594,19 @@ def plan_loads(paths, ks, drafts: dict[str, str], speed: bool = False) -> list[L
     return loads
 
 
-def conversation_items(prompts) -> list[dict]:
-    """`EvalPrompt`s as the JSON items `eagleflow.evaluate.turns` reads."""
-    return [{"messages": list(p.messages), "followups": list(p.followups)} for p in prompts]
+def conversation_items(prompts, modes: list[tuple[str, dict]] = (("", {}),)) -> list[dict]:
+    """`EvalPrompt`s as the JSON items `eagleflow.evaluate.turns` reads: every prompt once per
+    mode (mode by mode, prompts in order), with its tools and the mode's template kwargs."""
+    return [
+        {
+            "messages": list(p.messages),
+            "followups": list(p.followups),
+            "tools": list(p.tools),
+            "chat_template_kwargs": dict(kwargs),
+        }
+        for _, kwargs in modes
+        for p in prompts
+    ]
 
 
 def run_vllm_sets(
@@ -580,7 +647,7 @@ def run_vllm_sets(
 def run_reference_sets(target_dir, draft_dir, items: list[dict], ks, job: dict) -> dict:
     """The reference loop: target and draft loaded once, every k; {k: run} as
     `run_vllm_sets` gives."""
-    from eagleflow.evaluate.turns import chat_renderer, run_conversation
+    from eagleflow.evaluate.turns import chat_renderer, reply_parts, run_conversation
     from eagleflow.target.load import load_tokenizer
 
     if float(job["temperature"]) != 0.0:
@@ -589,12 +656,15 @@ def run_reference_sets(target_dir, draft_dir, items: list[dict], ks, job: dict) 
     target = HFTarget(target_dir, cfg["eagle_aux_hidden_state_layer_ids"])
     tok = load_tokenizer(target_dir)
     render = chat_renderer(tok, job.get("chat_template_kwargs"))
+    parts = reply_parts(job.get("reasoning_parser"), tok)
     out = {}
     for k in ks:
         t0 = time.time()
-        generate = lambda ids, k=k: reference_generate(  # noqa: E731
-            target, draft, ids, k, int(job["max_tokens"]), tok.eos_token_id
-        )
+
+        def generate(ids, stop=(), max_tokens=None, k=k):
+            budget = int(max_tokens or job["max_tokens"])
+            return reference_generate(target, draft, ids, k, budget, tok.eos_token_id, stop)
+
         records = [
             run_conversation(
                 item,
@@ -603,6 +673,8 @@ def run_reference_sets(target_dir, draft_dir, items: list[dict], ks, job: dict) 
                 lambda ids: tok.decode(ids, skip_special_tokens=True),
                 k,
                 job.get("max_prompt_tokens"),
+                parts,
+                int(job["max_tokens"]),
             )
             for item in items
         ]
@@ -663,13 +735,15 @@ def evaluate(
             "categories": {c: cats.count(c) for c in dict.fromkeys(cats)},
         }
         log(f"set {s.name}: {len(got)} prompts from {s.path} ({set_info[s.name]['format']})")
-    items = conversation_items(prompts)
+    modes = cfg.mode_kwargs()
+    items = conversation_items(prompts, modes)  # one engine load serves every mode
     job = {
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "seed": cfg.seed,
         "max_prompt_tokens": cfg.max_prompt_tokens,
         "chat_template_kwargs": cfg.chat_template_kwargs,
+        "reasoning_parser": cfg.reasoning_parser,
     }
     drafts = {"": str(export_dir)}
     if cfg.given_draft:
@@ -679,7 +753,7 @@ def evaluate(
         f"{len(loads)} model loads planned (vLLM fixes k when an engine is built; the reference "
         "loop serves every k): " + ", ".join(f"{x.path} k={list(x.ks)}" for x in loads)
     )
-    runs = {s.name: {k: {} for k in cfg.ks} for s in sets}
+    by_mode = {m: {s.name: {k: {} for k in cfg.ks} for s in sets} for m, _ in modes}
     engine_loads, load_log, speed_runs = 0, [], {}
     for load in loads:
         t0 = time.time()
@@ -713,18 +787,31 @@ def evaluate(
             if "error" in run:
                 log(f"{load.path} k={k}: {run['error']}")
                 failed = {x: run[x] for x in ("error", "stderr_tail") if x in run}
-                for name in runs:
-                    runs[name][k][load.path] = dict(failed)
+                for runs in by_mode.values():
+                    for name in runs:
+                        runs[name][k][load.path] = dict(failed)
                 continue
-            for name, figures in split_by_set(prompts, run, k).items():
-                runs[name][k][load.path] = figures
-                log(
-                    f"{name} k={k} {load.path}: acceptance length "
-                    f"{figures['acceptance_length']:.3f}, interval {figures.get('interval')}, "
-                    f"per position {figures['acceptance_rate_per_pos']}"
-                )
+            n = len(prompts)
+            for m, (mode, _) in enumerate(modes):
+                part = {**run, "records": run["records"][m * n : (m + 1) * n]}
+                for name, figures in split_by_set(prompts, part, k).items():
+                    by_mode[mode][name][k][load.path] = figures
+                    log(
+                        f"{name}{f' ({mode})' if mode else ''} k={k} {load.path}: acceptance "
+                        f"length {figures['acceptance_length']:.3f}, interval "
+                        f"{figures.get('interval')}, per position "
+                        f"{figures['acceptance_rate_per_pos']}"
+                        + (
+                            ", by part "
+                            + str(
+                                {p: f["acceptance_length"] for p, f in figures["by_part"].items()}
+                            )
+                            if "by_part" in figures
+                            else ""
+                        )
+                    )
     log(f"engine loads: {engine_loads} vLLM engine(s), one per vLLM path and k")
-    for by_k in runs.values():
+    for by_k in (b for runs in by_mode.values() for b in runs.values()):
         for results in by_k.values():
             reference = results.get("reference", {}).get("output_token_ids")
             for path, r in results.items():
@@ -733,6 +820,7 @@ def evaluate(
                         r["greedy_agreement_with_reference"] = greedy_agreement(
                             r["output_token_ids"], reference
                         )
+    runs = by_mode[modes[0][0]]  # the first mode's
     first = runs[sets[0].name][cfg.k]
     report = {
         "k": cfg.k,  # the headline k, of `results`
@@ -757,8 +845,15 @@ def evaluate(
             (r["distinct_replies"] for r in first.values() if "distinct_replies" in r), None
         ),
         "runs": {name: {str(k): v for k, v in by_k.items()} for name, by_k in runs.items()},
-        "results": first,  # the first set at the headline k
+        "results": first,  # the first set at the headline k (of the first mode)
+        "reasoning_parser": cfg.reasoning_parser,
     }
+    if cfg.modes:  # every mode's runs, and each mode's template kwargs
+        report["modes"] = dict(modes)
+        report["runs_by_mode"] = {
+            mode: {name: {str(k): v for k, v in by_k.items()} for name, by_k in runs.items()}
+            for mode, runs in by_mode.items()
+        }
     if cfg.speed:
         report["speed"] = speed_summary(speed_runs, engine.device)
         log(f"speed: {json.dumps(report['speed'])}")

@@ -1,6 +1,10 @@
 """The evaluation's report a user can paste beside a published card: `acceptance.md` (a table
-of set x k, with engine, k, temperature, target and draft) and the plot of acceptance length
-against k, both from `acceptance.json` (`eagleflow.evaluate.acceptance.evaluate`)."""
+of set x mode x k, with engine, k, temperature, target and draft; with a reasoning parser, the
+acceptance length of the reasoning and of the answer) and the plot of acceptance length against
+k, both from `acceptance.json` (`eagleflow.evaluate.acceptance.evaluate`).
+
+A column of the tables is a set, or with `evaluate.modes` a set in one mode (`heldout
+(thinking)`): the modes' figures are `runs_by_mode` in the JSON."""
 
 from __future__ import annotations
 
@@ -44,10 +48,30 @@ def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def columns(report: dict) -> list[tuple[str, str, dict]]:
+    """(label, set, {k: {path: figures}}) of every set, or of every set in every mode."""
+    by_mode = report.get("runs_by_mode") or {"": report["runs"]}
+    return [
+        (f"{s} ({mode})" if mode else s, s, by_mode[mode][s])
+        for s in report["sets"]
+        for mode in by_mode
+    ]
+
+
+def _kwargs(kwargs: dict) -> str:
+    return (
+        "{"
+        + ", ".join(
+            f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in kwargs.items()
+        )
+        + "}"
+    )
+
+
 def acceptance_markdown(report: dict) -> str:
     """The Markdown of `acceptance.md`."""
-    runs, ks, sets = report["runs"], [str(k) for k in report["ks"]], list(report["sets"])
-    paths = list(dict.fromkeys(p for by_k in runs.values() for r in by_k.values() for p in r))
+    ks, cols = [str(k) for k in report["ks"]], columns(report)
+    paths = list(dict.fromkeys(p for _, _, by_k in cols for r in by_k.values() for p in r))
     temp = sampling_label(report)
     lines = ["# Acceptance length", "", "| | |", "|---|---|"]
     lines.append(_row(["target", f"`{report['target']}`"]))
@@ -68,24 +92,30 @@ def acceptance_markdown(report: dict) -> str:
                 ]
             )
         )
+    for mode, kwargs in (report.get("modes") or {}).items():
+        lines.append(_row([f"mode `{mode}`", f"chat template `{_kwargs(kwargs)}`"]))
+    if report.get("reasoning_parser"):
+        lines.append(
+            _row(["reasoning and answer", f"split by vLLM's `{report['reasoning_parser']}` parser"])
+        )
     if "cpu" in str(report.get("engine", "")).lower():
         lines.append(_row(["note", "a CPU engine: speed figures, if any, are not representative"]))
     lines += ["", DEFINITION, "", "## As published cards report it", ""]
-    lines.append(_row(["engine", "k", "temperature"] + sets))
-    lines.append(_row(["---"] * (3 + len(sets))))
+    lines.append(_row(["engine", "k", "temperature"] + [label for label, _, _ in cols]))
+    lines.append(_row(["---"] * (3 + len(cols))))
     for path in paths:
         for k in ks:
-            cells = [_al(runs[s].get(k, {}).get(path)) for s in sets]
+            cells = [_al(by_k.get(k, {}).get(path)) for _, _, by_k in cols]
             lines.append(_row([path_label(path), k, temp] + cells))
     lines += ["", "## Every figure", ""]
     head = ["set", "category", "engine", "k", "temperature", "AL", "95% interval"]
     head += ["prompts", "drafts", "accepted per position"]
     lines.append(_row(head))
     lines.append(_row(["---"] * len(head)))
-    for s in sets:
+    for s, _, by_k in cols:
         for k in ks:
             for path in paths:
-                r = runs[s].get(k, {}).get(path)
+                r = by_k.get(k, {}).get(path)
                 if r is None:
                     continue
                 rows = [("all", r)] + list((r.get("by_category") or {}).items())
@@ -102,9 +132,10 @@ def acceptance_markdown(report: dict) -> str:
                             + [fig.get("prompts", "-"), fig["num_drafts"], per_pos]
                         )
                     )
+    lines += parts_markdown(cols, ks, paths, temp)
     skipped = {
-        s: max((r.get("turns_skipped", 0) for v in runs[s].values() for r in v.values()), default=0)
-        for s in sets
+        s: max((r.get("turns_skipped", 0) for v in by_k.values() for r in v.values()), default=0)
+        for s, _, by_k in cols
     }
     if any(skipped.values()):
         lines += [
@@ -115,6 +146,42 @@ def acceptance_markdown(report: dict) -> str:
         ]
     lines += speed_markdown(report.get("speed"), temp)
     return "\n".join(lines) + "\n"
+
+
+def parts_markdown(cols, ks, paths, temp: str) -> list[str]:
+    """Acceptance length of the reasoning and of the answer, where replies were split."""
+    rows = []
+    for label, _, by_k in cols:
+        for k in ks:
+            for path in paths:
+                r = by_k.get(k, {}).get(path) or {}
+                parts = r.get("by_part")
+                if not parts:
+                    continue
+                reasoning, answer = parts["reasoning"], parts["answer"]
+                rows.append(
+                    _row(
+                        [label, path_label(path), k, temp, _al(r)]
+                        + [_al(x) if x["num_drafts"] else "-" for x in (reasoning, answer)]
+                        + [reasoning["num_drafts"], answer["num_drafts"]]
+                    )
+                )
+    if not rows:
+        return []
+    head = ["set", "engine", "k", "temperature", "AL", "AL reasoning", "AL answer"]
+    head += ["drafts reasoning", "drafts answer"]
+    return [
+        "",
+        "## Reasoning and answer",
+        "",
+        "Each reply generated in two requests, split where vLLM's reasoning parser says the "
+        "reasoning ends (docs/evaluation.md); a mode whose prompt closes the reasoning is all "
+        "answer.",
+        "",
+        _row(head),
+        _row(["---"] * len(head)),
+        *rows,
+    ]
 
 
 def speed_markdown(speed: dict | None, temp: str) -> list[str]:
@@ -146,15 +213,15 @@ def plot_sweep(report: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, ks, sets = report["runs"], report["ks"], list(report["sets"])
-    fig, axes = plt.subplots(1, len(sets) + 1, figsize=(4.5 * (len(sets) + 1), 4), squeeze=False)
+    ks, cols = report["ks"], columns(report)
+    fig, axes = plt.subplots(1, len(cols) + 1, figsize=(4.5 * (len(cols) + 1), 4), squeeze=False)
     temp = sampling_label(report)
-    for ax, s in zip(axes[0], sets):
-        paths = list(dict.fromkeys(p for r in runs[s].values() for p in r))
+    for ax, (label, s, by_k) in zip(axes[0], cols):
+        paths = list(dict.fromkeys(p for r in by_k.values() for p in r))
         for p in paths:
             xs, ys, lo, hi = [], [], [], []
             for k in ks:
-                r = runs[s].get(str(k), {}).get(p) or {}
+                r = by_k.get(str(k), {}).get(p) or {}
                 if r.get("acceptance_length") is None:
                     continue
                 iv = r.get("interval") or {}
@@ -166,7 +233,7 @@ def plot_sweep(report: dict, path) -> None:
                 ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, label=path_label(p))
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set(
-            title=f"{s} ({report['sets'][s]['prompts']} prompts)",
+            title=f"{label}: {report['sets'][s]['prompts']} prompts",
             xlabel="k (speculative tokens)",
             ylabel="acceptance length",
             xticks=ks,
@@ -174,13 +241,14 @@ def plot_sweep(report: dict, path) -> None:
         )
         ax.legend(fontsize=7)
     ax = axes[0][-1]
-    first = runs[sets[0]].get(str(max(ks)), {})
+    label, _, by_k = cols[0]
+    first = by_k.get(str(max(ks)), {})
     for p, r in first.items():
         if r.get("acceptance_rate_per_pos"):
             n = len(r["acceptance_rate_per_pos"])
             ax.plot(range(1, n + 1), r["acceptance_rate_per_pos"], marker="o", label=path_label(p))
     ax.set(
-        title=f"{sets[0]}, k={max(ks)}: per position",
+        title=f"{label}, k={max(ks)}: per position",
         xlabel="draft position",
         ylabel="accepted / drafts",
         ylim=(0, 1),

@@ -3,16 +3,17 @@
 A set (`evaluate.sets` entry) is a name, a path, a format and an optional limit:
 
 - `heldout`: the rows of `data.path` held out by `data.heldout_modulus`; the prompt is a
-  row's messages up to its first user turn.
+  row's messages up to its first user turn, with the row's `tools`.
 - `mt_bench` (`question.jsonl`: `question_id`, `category`, `turns`): every turn in order,
   turn j after the target's own replies to the earlier turns; category `category`.
 - `humaneval` (`task_id`, `prompt`), `gsm8k` (`question`), `math500` (`problem`, `subject`,
   `unique_id`): that text as the user turn; MATH-500's category is `subject`.
 - `chat`: any row eagleflow's datasets read (OpenAI `messages`, ShareGPT `conversations`), up
-  to its first user turn; category `category` when the row has one.
+  to its first user turn, with its `tools`; category `category` when the row has one.
 
 The text is given as published, with no instruction added; the target's chat template (with
-`data.chat_template_kwargs`) and its generation prompt make the prompt's tokens.
+`data.chat_template_kwargs` and each mode's of `evaluate.modes`), the row's tools and its
+generation prompt make the prompt's tokens.
 
 `format: auto` detects it from the first row's fields. Files are JSONL (`.jsonl`, or
 `.jsonl.gz` as the embedded set ships). `path: embedded:humaneval` is OpenAI's HumanEval
@@ -65,6 +66,7 @@ class EvalPrompt:
     category: str | None = None
     meta: dict = field(default_factory=dict, compare=False)
     format: str = ""  # the format the row was read in (detected or stated)
+    tools: tuple[dict, ...] = ()  # the row's `tools`, rendered by the template with the prompt
 
 
 def sets_from_config(config: dict) -> list[PromptSet]:
@@ -175,15 +177,21 @@ def _prompt(s: PromptSet, fmt: str, record: dict, row: int) -> EvalPrompt:
             category=_category(record, "subject"),
         )
     if fmt == "chat":
-        from eagleflow.data.conversations import normalize_messages
+        from eagleflow.data.conversations import normalize_messages, normalize_tools
 
         messages = normalize_messages(record, require_assistant=False)
+        tools = normalize_tools(record) if "messages" in record else ()
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if first_user is None:
             raise ValueError("no user turn")
         given = record.get("id", record.get("question_id", row))
         return EvalPrompt(
-            s.name, str(given), tuple(messages[: first_user + 1]), (), _category(record, "category")
+            s.name,
+            str(given),
+            tuple(messages[: first_user + 1]),
+            (),
+            _category(record, "category"),
+            tools=tools,
         )
     raise ValueError(f"unknown format {fmt!r}")
 
@@ -237,6 +245,7 @@ def _heldout(s: PromptSet, limit: int, modulus: int) -> list[EvalPrompt]:
             tuple(p["messages"]),
             meta={"reference": p["reference"]},
             format=HELDOUT,
+            tools=tuple(p["tools"]),
         )
         for p in heldout_prompts(conversations, modulus, limit)
     ]

@@ -119,28 +119,31 @@ def run(
 def run_conversations(
     settings: EngineSettings, speculation: Speculation, items: list[dict], job: dict
 ) -> dict:
-    """One engine load (target + this speculation) for every prompt of every set, one
-    prompt at a time, turn by turn (`eagleflow.evaluate.turns`). `items`: {`messages`,
-    `followups`}; `job`: `max_tokens`, `temperature`, `seed`, `max_prompt_tokens`,
-    `chat_template_kwargs`. Each prompt's counters are the difference of vLLM's cumulative
-    counters around its turns; `counters` are vLLM's own totals at the end."""
+    """One engine load (target + this speculation) for every prompt of every set in every
+    mode, one prompt at a time, turn by turn (`eagleflow.evaluate.turns`). `items`:
+    {`messages`, `followups`, `tools`, `chat_template_kwargs` (the item's mode's)}; `job`:
+    `max_tokens`, `temperature`, `seed`, `max_prompt_tokens`, `chat_template_kwargs`,
+    `reasoning_parser` (replies split into reasoning and answer). Each prompt's counters are
+    the difference of vLLM's cumulative counters around its turns; `counters` are vLLM's own
+    totals at the end."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagleflow.evaluate.turns import chat_renderer, run_conversation
+    from eagleflow.evaluate.turns import chat_renderer, reply_parts, run_conversation
     from eagleflow.target.load import load_tokenizer
 
     t0 = time.time()
     llm = start_engine(settings, speculation)
     started = time.time() - t0
     tok = load_tokenizer(settings.target)
-    sampling = SamplingParams(
-        temperature=float(job["temperature"]),
-        seed=int(job["seed"]),
-        max_tokens=int(job["max_tokens"]),
-    )
 
-    def generate(ids: list[int]):
+    def generate(ids: list[int], stop=(), max_tokens: int | None = None):
+        sampling = SamplingParams(
+            temperature=float(job["temperature"]),
+            seed=int(job["seed"]),
+            max_tokens=int(max_tokens or job["max_tokens"]),
+            stop_token_ids=sorted(stop) or None,  # a stop token stays in the output ids
+        )
         before = spec_counters(llm.get_metrics())
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
         return list(out[0].outputs[0].token_ids), counter_difference(
@@ -148,6 +151,7 @@ def run_conversations(
         )
 
     render = chat_renderer(tok, job.get("chat_template_kwargs"))
+    parts = reply_parts(job.get("reasoning_parser"), tok)
     t1 = time.time()
     records = []
     if speculation.method != "none":  # the target alone is measured for its speed only
@@ -159,6 +163,8 @@ def run_conversations(
                 lambda ids: tok.decode(ids, skip_special_tokens=True),
                 speculation.k,
                 job.get("max_prompt_tokens"),
+                parts,
+                int(job["max_tokens"]),
             )
             for item in items
         ]
@@ -173,7 +179,10 @@ def run_conversations(
     }
     if job.get("speed_concurrencies"):
         limit = job.get("max_prompt_tokens")
-        first_turns = [render(list(item["messages"])) for item in items]
+        first_turns = [
+            render(list(item["messages"]), item.get("tools"), item.get("chat_template_kwargs"))
+            for item in items
+        ]
         first_turns = [ids for ids in first_turns if limit is None or len(ids) <= limit]
         result["speed"] = measure_speed(
             llm.generate,

@@ -10,6 +10,17 @@ the r-th user turn of every conversation of a chunk in one batched `generate` ca
 Prompt-only datasets (a list of user turns per row: MT-Bench's `{"question_id", "turns"}`, or
 `messages` without assistant turns) are read the same way and come out completed.
 
+**Tool traffic** (a row with `tools`, tool calls or tool results) is regenerated turn by turn
+where the dataset has its assistant turns: the target answers each user turn and each run of
+tool results, with the row's tools, system, user turns and tool results as given (they are the
+user's data) and its own earlier replies as history. A reply is split by vLLM's tool parser of
+the target's family (`data.regenerate.tool_parser`) into `content` + `tool_calls`. The dataset's
+tool results answer the dataset's calls only: when the target's reply does not make exactly the
+calls of the dataset's turn it replaces (the same names, arguments and ids), the reply is kept
+as the row's last turn (its context is real, and it is what the target says there) and the rest
+of the row is dropped, counted as `tool_calls_diverged` and named in the log. Without a tool
+parser the target's calls cannot be compared, so such a row is a named reject (TOOL_ROWS).
+
 A job's replies come from a `Generator`: over an engine of its own (`vllm_generator`) or over
 the shared generate engine server (`served_generator`, docs/engine-reuse.md), which computes
 them with the same `generate_replies` call.
@@ -36,14 +47,62 @@ def prompt_turns(messages) -> list[dict]:
     return [dict(m) for m in messages if m["role"] != "assistant"]
 
 
-def _tool_traffic(c: Conversation) -> bool:
+def tool_traffic(c: Conversation) -> bool:
     return bool(c.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in c.messages)
 
 
 TOOL_ROWS = (
-    "tool turns cannot be regenerated yet (the target's new tool calls would need new tool "
-    "results); set `data.regenerate.enabled: false` for tool traffic, or remove the row"
+    "a row with tool traffic is regenerated only with `data.regenerate.tool_parser` (vLLM's "
+    "tool parser of the target's family, e.g. kimi_k2): without it the target's tool calls "
+    "cannot be compared with the calls the row's tool results answer"
 )
+
+
+def answer_points(c: Conversation, tools: bool) -> list[tuple[list[dict], dict | None]]:
+    """Where the target answers: (turns added before the reply, the dataset's assistant turn
+    there or None). Without tool traffic, after each user turn (trailing other turns dropped);
+    with it, wherever the dataset has an assistant turn after new user or tool turns, and
+    after trailing user or tool turns."""
+    points, turns = [], []
+    for m in c.messages:
+        if m["role"] == "assistant":
+            if tools and turns:
+                points.append((turns, m))
+                turns = []
+            continue
+        turns.append(dict(m))
+        if not tools and m["role"] == "user":
+            points.append((turns, None))
+            turns = []
+    if tools and turns and turns[-1]["role"] in ("user", "tool"):
+        points.append((turns, None))
+    return points
+
+
+def _call_key(call: dict) -> tuple:
+    """A tool call as compared: its id (None when not given), name and arguments as JSON
+    values (text or object alike)."""
+    import json
+
+    fn = call.get("function") or {}
+    args = fn.get("arguments", "")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # compared as text
+    return call.get("id"), fn.get("name"), json.dumps(args, sort_keys=True)
+
+
+def same_calls(given: list[dict], made: list[dict]) -> bool:
+    """Whether the target made exactly the dataset's calls, in order (ids compared where both
+    have one)."""
+    if len(given) != len(made):
+        return False
+    for a, b in zip(map(_call_key, given), map(_call_key, made)):
+        if a[1:] != b[1:] or (a[0] is not None and b[0] is not None and a[0] != b[0]):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -57,18 +116,23 @@ class ReplyForm:
 
     split: Callable[[str], tuple[str | None, str | None]] | None = None
     on_truncated: str = "keep"
-    # messages -> token ids of the conversation as the template renders it, without a
+    # (messages, tools) -> token ids of the conversation as the template renders it, without a
     # generation prompt (`conversation_renderer`): with it, each reply whose generated ids
     # came back is checked to re-render to exactly the prompt plus those ids (`rerender_check`).
-    rerender: Callable[[list[dict]], list[int]] | None = None
+    rerender: Callable[..., list[int]] | None = None
+    # content -> (content without its tool calls, OpenAI tool calls): vLLM's tool parser
+    # (`tool_splitter`, data.regenerate.tool_parser); None: rows with tool traffic are rejects.
+    calls: Callable[[str], tuple[str, list[dict]]] | None = None
 
     def message(self, text: str) -> dict:
-        if self.split is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = self.split(text)
+        reasoning, content = (None, text) if self.split is None else self.split(text)
         out = {"role": "assistant", "content": content or ""}
         if reasoning is not None:
             out["reasoning_content"] = reasoning
+        if self.calls is not None and out["content"]:
+            rest, calls = self.calls(out["content"])
+            if calls:
+                out["content"], out["tool_calls"] = rest, calls
         return out
 
 
@@ -83,7 +147,51 @@ def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None
             f"data.regenerate.reasoning_parser is {name!r}, which this vLLM does not have; use "
             "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
         ) from e
-    return lambda text: parser.extract_reasoning(text, None)
+    end = parser.reasoning_end_str or ""
+
+    def split(text: str) -> tuple[str | None, str | None]:
+        reasoning, content = parser.extract_reasoning(text, None)
+        # The parser strips whitespace at the end of the reasoning ("1 1 " -> "1 1"), which the
+        # template would not render: the reply would not render back to its generated tokens.
+        # The reasoning is kept as generated: the text before the content and the end marker.
+        if reasoning is not None and (content is None or text.endswith(content)):
+            head = text if content is None else text[: len(text) - len(content)]
+            head = head[: -len(end)] if end and head.endswith(end) else head
+            if head.strip() == reasoning.strip():
+                reasoning = head
+        return reasoning, content
+
+    return split
+
+
+def tool_splitter(name: str, tokenizer) -> Callable[[str], tuple[str, list[dict]]]:
+    """vLLM's tool parser `name` (kimi_k2, deepseek_v3, hermes, ...) over a reply's content:
+    (content without the calls, the calls as OpenAI `tool_calls`)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        parser = ToolParserManager.get_tool_parser(name)(tokenizer)
+    except KeyError as e:
+        raise ValueError(
+            f"data.regenerate.tool_parser is {name!r}, which this vLLM does not have; use one "
+            "of vLLM's tool parser names (kimi_k2, deepseek_v3, hermes, ...)"
+        ) from e
+
+    def split(content: str) -> tuple[str, list[dict]]:
+        info = parser.extract_tool_calls(content, None)
+        if not info.tools_called:
+            return content, []
+        calls = [
+            {
+                **({"id": c.id} if c.id else {}),
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in info.tool_calls
+        ]
+        return info.content or "", calls
+
+    return split
 
 
 def rerender_check(prompt, generated, rendered, finish_reason: str) -> int | None:
@@ -123,9 +231,11 @@ def regenerate_conversations(
     A conversation stops (its later turns dropped) once its next prompt would be at least
     `max_prompt_tokens` long: sharding truncates there anyway.
     """
-    tool_rows = [c for c in conversations if _tool_traffic(c)]
-    conversations = [c for c in conversations if not _tool_traffic(c)]
-    pending = [prompt_turns(c.messages) for c in conversations]
+    tool_rows = [c for c in conversations if tool_traffic(c) and form.calls is None]
+    conversations = [c for c in conversations if not tool_traffic(c) or form.calls is not None]
+    pending = [answer_points(c, tool_traffic(c)) for c in conversations]
+    expected: list[dict | None] = [None] * len(conversations)  # the turn each reply replaces
+    diverged = 0  # tool rows ended where the target's calls were not the dataset's
     done: list[list[dict]] = [[] for _ in conversations]
     answered = [0] * len(conversations)
     stopped_early = 0
@@ -135,16 +245,11 @@ def regenerate_conversations(
     rounds = 0
     while True:
         batch = []
-        for i in range(len(conversations)):
-            moved = []
-            while pending[i]:
-                m = pending[i].pop(0)
-                moved.append(m)
-                if m["role"] == "user":
-                    break
-            if not moved or moved[-1]["role"] != "user":
+        for i, c in enumerate(conversations):
+            if not pending[i]:
                 continue  # nothing left to answer (trailing non-user turns are dropped)
-            ids = render(done[i] + moved)
+            moved, expected[i] = pending[i].pop(0)
+            ids = render(done[i] + moved, c.tools) if c.tools else render(done[i] + moved)
             if len(ids) >= max_prompt_tokens:
                 stopped_early += bool(pending[i]) or answered[i] > 0
                 pending[i] = []
@@ -171,8 +276,20 @@ def regenerate_conversations(
                     continue
             done[i].append(form.message(text))
             answered[i] += 1
+            c = conversations[i]
+            if pending[i] and tool_traffic(c):
+                given = (expected[i] or {}).get("tool_calls") or []
+                if not same_calls(given, done[i][-1].get("tool_calls") or []):
+                    diverged += 1
+                    log(
+                        f"{c.sample_id}, reply {answered[i]}: the target's tool calls are not "
+                        f"the dataset's ({len(given)} given), so the row's later tool results "
+                        "do not answer it: the row ends with this reply"
+                    )
+                    pending[i] = []
             if form.rerender is not None and generated is not None:
-                at = rerender_check(prompt, generated, form.rerender(done[i]), reason)
+                full = form.rerender(done[i], c.tools) if c.tools else form.rerender(done[i])
+                at = rerender_check(prompt, generated, full, reason)
                 if at is None:
                     rerendered["cut" if reason == "length" else "exact"] += 1
                 else:
@@ -196,7 +313,9 @@ def regenerate_conversations(
             )
             bad.append(BadRow(c.source_file, c.source_row, reason, c.sample_id))
             continue
-        rows.append({"id": c.sample_id, "messages": msgs})
+        rows.append(
+            {"id": c.sample_id, "messages": msgs, **({"tools": list(c.tools)} if c.tools else {})}
+        )
     bad.sort(key=lambda b: b.source_row)
     stats = {
         "conversations": len(rows),
@@ -205,6 +324,7 @@ def regenerate_conversations(
         "stopped_early": stopped_early,
         "truncated": truncated,
         "truncated_dropped": dropped,
+        "tool_calls_diverged": diverged,
         "rejected": len(bad),
     }
     if form.rerender is not None:
@@ -213,27 +333,28 @@ def regenerate_conversations(
 
 
 def chat_renderer(tokenizer, chat_template_kwargs: dict | None = None):
-    """messages -> prompt token ids: the chat template with `data.chat_template_kwargs` and the
-    generation prompt."""
-    kwargs = dict(chat_template_kwargs or {})
-
-    def render(messages):
-        out = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
-        )
-        return list(out["input_ids"])
-
-    return render
+    """(messages, tools) -> prompt token ids: the chat template with `data.chat_template_kwargs`,
+    the row's tools and the generation prompt."""
+    return _renderer(tokenizer, chat_template_kwargs, True)
 
 
 def conversation_renderer(tokenizer, chat_template_kwargs: dict | None = None):
-    """messages -> token ids of the whole conversation (no generation prompt), with
+    """(messages, tools) -> token ids of the whole conversation (no generation prompt), with
     `data.chat_template_kwargs`: how the shard renders a regenerated reply."""
+    return _renderer(tokenizer, chat_template_kwargs, False)
+
+
+def _renderer(tokenizer, chat_template_kwargs, add_generation_prompt: bool):
     kwargs = dict(chat_template_kwargs or {})
 
-    def render(messages):
+    def render(messages, tools=()):
         out = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=False, tokenize=True, return_dict=True, **kwargs
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=True,
+            **kwargs,
         )
         return list(out["input_ids"])
 

@@ -31,6 +31,7 @@ from eagleflow.regenerate.replies import (
     conversation_renderer,
     reasoning_splitter,
     regenerate_conversations,
+    tool_splitter,
 )
 from eagleflow.regenerate.sources import shard_entry, shard_raw_rows, source_shard_id
 
@@ -47,6 +48,13 @@ class Regeneration:
     chat_template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
     reasoning_parser: str | None = None  # data.regenerate.reasoning_parser: vLLM's, by name
     on_truncated: str = "keep"  # data.regenerate.on_truncated: keep | drop a reply cut short
+    tool_parser: str | None = None  # data.regenerate.tool_parser: vLLM's, by name
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Replies keep their markers (`</think>`, tool-call sections) for the parsers to split,
+        and are checked to render back to their generated ids."""
+        return self.reasoning_parser is not None or self.tool_parser is not None
 
     @classmethod
     def from_config(cls, config: dict) -> Regeneration:
@@ -60,6 +68,7 @@ class Regeneration:
             chat_template_kwargs=dict(data["chat_template_kwargs"]),
             reasoning_parser=data["regenerate"]["reasoning_parser"],
             on_truncated=data["regenerate"]["on_truncated"],
+            tool_parser=data["regenerate"]["tool_parser"],
         )
 
 
@@ -152,6 +161,7 @@ class Answered:
     stopped_early: int = 0
     truncated: int = 0  # replies cut at max_new_tokens
     truncated_dropped: int = 0  # of those, dropped (on_truncated: drop)
+    tool_calls_diverged: int = 0  # tool rows ended where the target's calls were not the row's
     # With a reasoning parser: replies checked to render back to their generated ids
     # (replies.rerender_check): exactly, as a cut reply's prefix, or not (named in the log).
     rerendered: dict | None = None
@@ -218,10 +228,12 @@ def answer_chunks(
     tokenizer = load_tokenizer(settings.target)
     render = chat_renderer(tokenizer, settings.chat_template_kwargs)
     parsed = settings.reasoning_parser is not None
+    checked = settings.keeps_special_tokens
     form = ReplyForm(
         reasoning_splitter(settings.reasoning_parser, tokenizer) if parsed else None,
         settings.on_truncated,
-        conversation_renderer(tokenizer, settings.chat_template_kwargs) if parsed else None,
+        conversation_renderer(tokenizer, settings.chat_template_kwargs) if checked else None,
+        tool_splitter(settings.tool_parser, tokenizer) if settings.tool_parser else None,
     )
     t_engine = time.time()
     generate = generator()
@@ -258,6 +270,7 @@ def answer_chunks(
                     "id": r["id"],
                     "source": dict(zip(("file", "row"), sources[r["id"]])),
                     "messages": r["messages"],
+                    **({"tools": r["tools"]} if "tools" in r else {}),
                 }
                 for r in rows
             ],
@@ -269,6 +282,7 @@ def answer_chunks(
         answered.replies += chunk_stats["replies"]
         answered.truncated += chunk_stats["truncated"]
         answered.truncated_dropped += chunk_stats["truncated_dropped"]
+        answered.tool_calls_diverged += chunk_stats["tool_calls_diverged"]
         answered.rounds += chunk_stats["rounds"]
         answered.stopped_early += chunk_stats["stopped_early"]
         if "rerendered" in chunk_stats:
@@ -320,6 +334,7 @@ def assemble(
         "stopped_early_now": answered.stopped_early,
         "truncated_now": answered.truncated,
         "truncated_dropped_now": answered.truncated_dropped,
+        "tool_calls_diverged_now": answered.tool_calls_diverged,
         "finish_reasons_now": generate.finished if generate else None,
         "rerendered_now": answered.rerendered,
         "max_new_tokens": settings.max_new_tokens,

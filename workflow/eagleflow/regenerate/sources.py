@@ -35,10 +35,11 @@ def regeneration_identity(
     chat_template_kwargs: dict | None = None,
     reasoning_parser: str | None = None,
     on_truncated: str = "keep",
+    tool_parser: str | None = None,
 ) -> dict:
     """What, besides the rows, decides a source shard's replies (`data.chat_template_kwargs`,
-    `data.regenerate.reasoning_parser` and `on_truncated` only when set: the ids of shards made
-    before the keys existed stay as they were)."""
+    `data.regenerate.reasoning_parser`, `on_truncated` and `tool_parser` only when set: the ids
+    of shards made before the keys existed stay as they were)."""
     identity = {
         "target": target_identity,
         "max_new_tokens": int(max_new_tokens),
@@ -52,6 +53,8 @@ def regeneration_identity(
         identity["reasoning_parser"] = reasoning_parser
     if on_truncated != "keep":
         identity["on_truncated"] = on_truncated
+    if tool_parser:
+        identity["tool_parser"] = tool_parser
     return identity
 
 
