@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from eagleflow.plan.settings import STATES, DraftSettings
+from eagleflow.plan.settings import DraftSettings
 
 ENGINE_ASSUMED = "extract.tokens_per_second"
 TRAINER_ASSUMED = "draft.tokens_per_second_per_rank"
@@ -38,7 +38,7 @@ def engine_rate(extract: dict, measured: float | None = None) -> tuple[float, st
 
 @dataclass(frozen=True)
 class StatesCost:
-    mode: str  # draft.states
+    mode: str  # draft.states (checked by `eagleflow.plan.settings.StatesSource`)
     epochs: int  # draft.epochs
     tokens_per_epoch: int  # tokens of an epoch's training samples: what stream prefills
     loss_tokens_per_epoch: int  # their loss-masked tokens: what the trainer counts
@@ -49,10 +49,6 @@ class StatesCost:
     trainer_tokens_per_second: float  # loss-masked, all ranks together
     engine_source: str = ENGINE_ASSUMED
     trainer_source: str = TRAINER_ASSUMED
-
-    def __post_init__(self):
-        if self.mode not in STATES:
-            raise ValueError(f"draft.states = {self.mode!r}: use one of {STATES}")
 
     @classmethod
     def from_settings(cls, draft: DraftSettings, **figures) -> StatesCost:
