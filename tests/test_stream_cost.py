@@ -111,11 +111,6 @@ def test_a_small_run_shows_its_prefill_hours_rather_than_zero():
     assert "0.00 prefill" not in "\n".join(small.lines())
 
 
-def test_an_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="draft.states"):
-        cost("disk")
-
-
 def test_validate_env_states_the_cost_and_checks_only_the_bytes_the_mode_writes(
     fake_deepseek_v3, tmp_path
 ):
