@@ -32,9 +32,17 @@ from eagleflow.plan.settings import STATES, StatesSource
 from eagleflow.serve.client import EngineClient, ServerSpec
 from eagleflow.store.quant import is_fp8, row_peaks
 from eagleflow.store.state_cache import StateCache, sample_index
-from eagleflow.train.data import ShardLayout, StateSource, layout_of
+from eagleflow.train.data import ShardLayout, StateSource, StoredStates, layout_of, shard_paths
 
 CAPTURE_SERVER = "eagleflow.extract.capture_server"
+
+
+def state_source(shards, stream: StreamSource | None) -> StateSource:
+    """Where the states of `shards` come from: the extracted shards themselves
+    (`StoredStates`), or, with a `stream` source, the capture server's states of these token
+    shards (`ServedStates`). The one place the trainer's shards become a source."""
+    paths = shard_paths(shards)
+    return StoredStates(paths) if stream is None else ServedStates(stream, paths)
 
 
 class StreamedStatesInvalid(ValueError):
