@@ -247,7 +247,9 @@ class DraftSettings:
         that a change to one of them (and to nothing else) runs the job again (it then resumes
         or restarts, as its checkpoint's recipe decides: `recipe_of`). The keys sorted, then
         `heldout_modulus`: the order these params always had, so that Snakemake's record of a
-        finished run still matches and nobody's training reruns."""
+        finished run still matches and nobody's training reruns. A key added to the recipe
+        (a new `ARCH_KEYS` entry) changes these params for every finished run, and so reruns
+        it: leave it out while it holds the value older drafts were trained with."""
         names = sorted((set(RECIPE_KEYS) | set(EXTENT_KEYS)) - {"heldout_modulus"})
         values = {k: getattr(self.train, k) for k in names}
         values |= {k: getattr(self.model, k) for k in ARCH_KEYS}
