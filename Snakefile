@@ -81,7 +81,6 @@ rule progress:
     params:
         extraction=progress_extraction,
         training=progress_training,
-        draft=config["draft"],
         regenerated_dir=f"{R}/regenerated",
         max_new_tokens=REGENERATE["max_new_tokens"],
         dtype=config["extract"]["dtype"],

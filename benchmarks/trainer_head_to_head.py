@@ -456,11 +456,13 @@ class RunSetup:
         """From `--configfile`, `--shards`, `--vocab`, `--target` and `--dataset`."""
         from eagleflow.engine.settings import EngineSettings
         from eagleflow.evaluate.acceptance import EvalSettings, load_prompts
-        from eagleflow.plan.launch import train_settings
+        from eagleflow.plan.settings import DraftSettings
 
         config = workflow_config(args.configfile)
-        modulus = config["data"]["heldout_modulus"]
-        cfg, overrides = train_settings(config["draft"], modulus, "cpu")
+        draft = DraftSettings.from_config(config)
+        modulus = draft.heldout_modulus
+        cfg = replace(draft.train, device="cpu")  # both arms train on this machine's CPU
+        overrides = draft.model.overrides()
         shards, vocab = finished_run(args)
         target = str(Path(args.target).resolve())
         config["target"]["path"] = target

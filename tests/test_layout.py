@@ -145,3 +145,51 @@ def test_the_trainers_functions_are_short():
                     if lines > limit:
                         wrong.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
     assert not wrong, "\n".join(wrong)
+
+
+# The `draft:` section has one reader: the typed record (`eagleflow.plan.settings.DraftSettings`)
+# that every rule, script and check is given (issue 35).
+DRAFT_SECTION_READER = PACKAGE / "plan" / "settings.py"
+
+
+def reads_the_draft_section(node: ast.AST) -> bool:
+    """`config["draft"]` or `<...>.config["draft"]` (snakemake.config), or `.get("draft")`
+    on either; `evaluate.draft` is another key, read from `config["evaluate"]`."""
+
+    def is_config(value):
+        return (isinstance(value, ast.Name) and value.id == "config") or (
+            isinstance(value, ast.Attribute) and value.attr == "config"
+        )
+
+    if isinstance(node, ast.Subscript) and is_config(node.value):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "draft"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        f = node.func
+        return (
+            f.attr == "get"
+            and is_config(f.value)
+            and bool(node.args)
+            and (isinstance(node.args[0], ast.Constant) and node.args[0].value == "draft")
+        )
+    return False
+
+
+def test_the_draft_section_is_read_by_its_typed_record_alone():
+    workflow = PACKAGE.parent
+    repo = workflow.parent
+    sources = [*workflow.rglob("*.py"), *workflow.rglob("*.smk"), repo / "Snakefile"]
+    sources += repo.glob("benchmarks/*.py")  # they read the workflow's config too
+    wrong = []
+    for path in sorted(sources):
+        text = path.read_text()
+        if path.suffix == ".py":
+            hits = [n.lineno for n in ast.walk(ast.parse(text)) if reads_the_draft_section(n)]
+        else:  # Snakemake's grammar is not Python's: the same reads, by their text
+            hits = [
+                i
+                for i, line in enumerate(text.splitlines(), 1)
+                if 'config["draft"]' in line or 'config.get("draft"' in line
+            ]
+        if path != DRAFT_SECTION_READER:
+            wrong += [f"{path.relative_to(repo)}:{line}" for line in hits]
+    assert not wrong, "read DraftSettings instead:\n" + "\n".join(wrong)

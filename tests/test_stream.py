@@ -498,16 +498,19 @@ def test_a_stream_source_refuses_a_plan_whose_states_go_to_files(tmp_path):
     """vLLM's extract_hidden_states connector writes every state to files: not streamable."""
     from dataclasses import replace
 
-    import yaml
-    from snakemake.utils import validate
+    from eagleflow.plan.settings import DraftSettings
+    from support.workflow_config import workflow_config
 
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["draft"]["states"] = "stream"
-    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    config = workflow_config({"draft": {"states": "stream"}})
     plan = replace(make_plan(), strategy=Strategy.EXTRACT_HIDDEN_STATES)
     plan.save(tmp_path / "capture_plan.json")
     with pytest.raises(ValueError, match=r"capture_plan.json uses vLLM's extract_hidden_states"):
-        StreamSource.for_job(config, tmp_path / "capture_plan.json", tmp_path / "x.log")
+        StreamSource.for_job(
+            config,
+            DraftSettings.from_config(config).states,
+            tmp_path / "capture_plan.json",
+            tmp_path / "x.log",
+        )
 
 
 # ---------------------------------------------------------------- the checks of issue 35

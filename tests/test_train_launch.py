@@ -5,7 +5,6 @@ job's resources; the time limit from the tokens to train and the rate; the progr
 Pure functions: no rank is started (tests/test_train_distributed.py starts them)."""
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -23,29 +22,40 @@ from eagleflow.plan.resources import (
     read_progress,
     train_runtime_minutes,
 )
-from eagleflow.plan.settings import RUNTIME_KEYS, TrainConfig
+from eagleflow.plan.settings import DraftSettings, TrainConfig
 from eagleflow.train.preflight import launch_for_job, preflight
 from eagleflow.train.rank import rank_env
+from support.workflow_config import draft_settings
 
 CPU = {"device": "cpu", "tensor_parallel_size": 1}
 GPU_NODE = {"device": "cuda", "tensor_parallel_size": 8, "pipeline_parallel_size": 1, "nodes": 1}
 ARGS = ["--shards", "a.safetensors", "--out", "work"]
 
 
+def settings(extract: dict, **draft):
+    """The typed `draft:` section with `draft` set, where the ranks run as `extract` says."""
+    return draft_settings(draft, extract=extract)
+
+
+def ranks(extract: dict, **draft):
+    return settings(extract, **draft).ranks
+
+
 # ---------------------------------------------------------------- ranks and the command
 
 
 def test_processes_per_node_defaults_to_the_gpus_on_cuda_and_one_on_cpu():
-    assert processes_per_node({"processes_per_node": None}, CPU) == 1
-    assert processes_per_node({"processes_per_node": 3}, CPU) == 3
+    assert processes_per_node(ranks(CPU, processes_per_node=None), CPU) == 1
+    assert processes_per_node(ranks(CPU, processes_per_node=3), CPU) == 3
     # CUDA: the GPUs the job sees when it runs here, else those an extract job asks for
-    assert processes_per_node({"processes_per_node": None}, GPU_NODE, visible_gpus=4) == 4
-    assert processes_per_node({"processes_per_node": None}, GPU_NODE) == 8
+    on_gpus = ranks(GPU_NODE, processes_per_node=None)
+    assert processes_per_node(on_gpus, GPU_NODE, visible_gpus=4) == 4
+    assert processes_per_node(on_gpus, GPU_NODE) == 8
     two_nodes = {**GPU_NODE, "pipeline_parallel_size": 2, "nodes": 2}
-    assert processes_per_node({"processes_per_node": None}, two_nodes) == 8
-    assert processes_per_node({"processes_per_node": None}, {**GPU_NODE, "gpus_per_job": 4}) == 4
+    assert processes_per_node(on_gpus, two_nodes) == 8
+    assert processes_per_node(on_gpus, {**GPU_NODE, "gpus_per_job": 4}) == 4
     # draft.device overrides extract.device
-    assert processes_per_node({"processes_per_node": None, "device": "cpu"}, GPU_NODE) == 1
+    assert processes_per_node(ranks(GPU_NODE, processes_per_node=None, device="cpu"), GPU_NODE) == 1
 
 
 def test_one_rank_runs_the_trainer_as_a_plain_process():
@@ -55,9 +65,8 @@ def test_one_rank_runs_the_trainer_as_a_plain_process():
 
 
 def test_ranks_on_this_machine_start_under_torchrun_standalone():
-    run = launch_for_job(
-        {"processes_per_node": 2, "nodes": 1, "num_workers": 1}, CPU, srun=False, threads=4
-    )
+    draft = settings(CPU, processes_per_node=2, nodes=1, num_workers=1)
+    run = launch_for_job(draft, CPU, srun=False, threads=4)
     assert (run.world_size, run.srun, run.cpus_per_rank) == (2, False, 2)
     cmd = launch.command(run, ARGS, python="py")
     assert cmd.argv == [
@@ -77,7 +86,7 @@ def test_ranks_on_this_machine_start_under_torchrun_standalone():
 
 
 def test_slurm_ranks_are_srun_tasks_with_a_rendezvous_on_the_first_node():
-    draft = {"processes_per_node": 8, "nodes": 2, "num_workers": 4, "cpus_per_rank": None}
+    draft = settings(GPU_NODE, processes_per_node=8, nodes=2, num_workers=4, cpus_per_rank=None)
     run = launch_for_job(draft, GPU_NODE, srun=True, threads=64)
     assert (run.world_size, run.cpus_per_rank, run.device) == (16, 8, "cuda")
     cmd = launch.command(run, ARGS, python="py", port=29511)
@@ -125,13 +134,17 @@ def test_a_streaming_run_s_trainer_takes_the_gpus_its_engine_server_does_not():
     """draft.stream_engine_devices on one node: the ranks see the node's other GPUs (torchrun
     gets them as CUDA_VISIBLE_DEVICES, and one rank per GPU by default)."""
     stream = {"states": "stream", "stream_engine_devices": "0,1,2,3"}
-    assert launch.trainer_devices(stream, 8) == "4,5,6,7"
-    assert launch.trainer_devices({**stream, "states": "stored"}, 8) is None
-    assert launch.trainer_devices({**stream, "stream_engine_devices": None}, 8) is None
+
+    def states(**draft):
+        return settings(GPU_NODE, **{**stream, **draft}).states
+
+    assert launch.trainer_devices(states(), 8) == "4,5,6,7"
+    assert launch.trainer_devices(states(states="stored"), 8) is None
+    assert launch.trainer_devices(states(stream_engine_devices=None), 8) is None
     with pytest.raises(launch.LaunchError, match="leaves the trainer none"):
-        launch.trainer_devices({**stream, "stream_engine_devices": "0,1"}, 2)
+        launch.trainer_devices(states(stream_engine_devices="0,1"), 2)
     with pytest.raises(launch.LaunchError, match="CUDA device indices"):
-        launch.trainer_devices({**stream, "stream_engine_devices": "a,b"}, 8)
+        launch.trainer_devices(states(stream_engine_devices="a,b"), 8)
     run = launch.Launch(1, 4, "cuda", devices="4,5,6,7")
     assert launch.command(run, ARGS, python="py").env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert "CUDA_VISIBLE_DEVICES" not in launch.command(launch.Launch(1, 4, "cuda"), ARGS).env
@@ -159,38 +172,7 @@ def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
 
     if not torch.cuda.is_available():  # CUDA asked for on a machine without a GPU
         with pytest.raises(launch.LaunchError, match="set draft.device to cpu"):
-            launch_for_job({"device": "cuda"}, CPU, srun=False, threads=2)
-
-
-def test_train_settings_and_the_recipe_params(tmp_path):
-    draft = {
-        "vocab_size": 512,
-        "epochs": 2,
-        "lr": 0.003,
-        "eval_every": 50,
-        "num_workers": 1,
-        "device": "auto",
-        "attention": "eager",
-        "activation_checkpointing": True,
-        "nodes": 1,
-        "processes_per_node": 2,
-        "tokens_per_second_per_rank": 300,
-    }
-    cfg, overrides = launch.train_settings(draft, 20, "cuda")
-    assert cfg == TrainConfig(
-        epochs=2, lr=0.003, eval_every=50, num_workers=1, device="auto", heldout_modulus=20
-    )
-    assert overrides == {"attention": "eager", "activation_checkpointing": True}
-    assert launch.train_settings(draft, 20, "cpu")[0].device == "cpu"
-    # what re-runs the job: the weights' settings and the extent, not how it runs
-    assert launch.recipe_settings(draft) == {"epochs": 2, "lr": 0.003}
-    assert not set(launch.recipe_settings({k: 1 for k in RUNTIME_KEYS}))
-    args = launch.trainer_args(["s1", "s2"], "t", "v", tmp_path / "work", cfg, overrides)
-    assert args[:3] == ["--shards", "s1", "s2"]
-    config = args[args.index("--config") + 1]  # a file in the work directory
-    assert config == str(tmp_path / "work" / "train_config.json")
-    assert TrainConfig(**json.loads(Path(config).read_text())) == cfg
-    assert json.loads(args[args.index("--draft") + 1]) == overrides
+            launch_for_job(settings(CPU, device="cuda"), CPU, srun=False, threads=2)
 
 
 # ---------------------------------------------------------------- the SLURM job
@@ -245,7 +227,7 @@ def sbatch(job: TrainJob) -> str:
     ],
 )
 def test_the_job_asks_slurm_for_its_ranks_gpus_and_cpus(draft, extract, options):
-    job = TrainJob.from_config(draft, extract)
+    job = TrainJob.from_settings(settings(extract, **draft), extract)
     call = sbatch(job)
     assert all(f" {o}" in call for o in options), call
     assert (job.slurm()["mpi"] == "srun") == (job.ranks > 1)
@@ -282,14 +264,15 @@ def test_tokens_to_train_are_the_training_samples_loss_tokens_times_epochs():
     tokens = TrainingTokens.from_manifest(frame, excluder(20))
     assert tokens.samples == (~held).sum()
     assert tokens.loss_tokens == frame.loc[~held, "n_loss_tokens"].sum()
-    assert tokens.to_train({"epochs": 3}) == 3 * tokens.loss_tokens
+    assert tokens.to_train(TrainConfig(epochs=3)) == 3 * tokens.loss_tokens
     short = TrainingTokens.from_manifest(frame, excluder(20), max_sample_tokens=30)
     assert short.samples == ((~held) & (frame["n_tokens"] <= 30)).sum()
     # max_steps: the share of the run's steps, counted as if packs were full (never less)
-    draft = {"epochs": 2, "max_steps": 1, "max_tokens": 64, "batch_packs": 2}
+    run = TrainConfig(epochs=2, max_steps=1, max_tokens=64, batch_packs=2)
     steps = 2 * -(-tokens.tokens // 64 // 2)
-    assert tokens.to_train(draft) >= 2 * tokens.loss_tokens // steps
-    assert tokens.to_train({**draft, "max_steps": 10**6}) == 2 * tokens.loss_tokens
+    assert tokens.to_train(run) >= 2 * tokens.loss_tokens // steps
+    longer = TrainConfig(epochs=2, max_steps=10**6, max_tokens=64, batch_packs=2)
+    assert tokens.to_train(longer) == 2 * tokens.loss_tokens
 
 
 def test_the_rate_is_the_checkpoints_measured_rate_per_rank(tmp_path):
@@ -316,9 +299,12 @@ def test_host_memory_counts_every_rank_and_on_cpu_the_whole_plan():
 
 
 def test_progress_reports_tokens_steps_and_time_left(tmp_path):
-    draft = {"epochs": 2, "max_steps": 0, "tokens_per_second_per_rank": 100}
+    draft = draft_settings(
+        {"epochs": 2, "max_steps": 0, "max_sample_tokens": 0, "tokens_per_second_per_rank": 100},
+        data={"heldout_modulus": 20},
+    )
     frame = manifest()
-    before = training_progress(frame, tmp_path, draft, 2, 20)
+    before = training_progress(frame, tmp_path, draft, 2)
     per_epoch = TrainingTokens.from_manifest(frame, excluder(20)).loss_tokens
     assert before["tokens_total"] == 2 * per_epoch and before["step"] is None
     assert before["estimated_seconds"] == pytest.approx(2 * per_epoch / 200, abs=0.1)
@@ -336,7 +322,7 @@ def test_progress_reports_tokens_steps_and_time_left(tmp_path):
             }
         )
     )
-    after = training_progress(frame, tmp_path, draft, 4, 20)
+    after = training_progress(frame, tmp_path, draft, 4)
     assert after["tokens_to_do"] == per_epoch and after["rate_measured"]
     assert after["estimated_seconds"] == pytest.approx(per_epoch / (500 * 4), abs=0.1)
     text = format_training_progress(after)
@@ -356,20 +342,15 @@ def test_progress_reports_tokens_steps_and_time_left(tmp_path):
 def test_the_gpu_examples_train_on_every_gpu_of_one_node(example, gpus):
     """Merged over the embedded default (as `--configfile` merges it), each GPU example trains
     one rank per GPU of a node, its global batch shared evenly, its recipe the anchors'."""
-    import yaml
+    from support.workflow_config import workflow_config
 
-    from support.workflow_runner import REPO, merged
-
-    def read(path):
-        return yaml.safe_load((REPO / path).read_text())
-
-    config = merged(read("config/config.yaml"), read(f"config/examples/{example}"))
-    draft = config["draft"]
-    job = TrainJob.from_config(draft, config["extract"])
+    config = workflow_config(example=example)
+    draft = DraftSettings.from_config(config)
+    job = TrainJob.from_settings(draft, config["extract"])
     assert (job.nodes, job.processes_per_node, job.device) == (1, gpus, "cuda")
-    assert draft["batch_packs"] % job.ranks == 0 and draft["vocab_size"] == 32000
+    assert draft.train.batch_packs % job.ranks == 0 and draft.vocab_size == 32000
     assert job.slurm()["gpu"] == gpus and job.slurm()["tasks_per_node"] == gpus
-    assert draft["lr"] <= 1e-4 and draft["max_tokens"] >= config["data"]["max_length"]
+    assert draft.train.lr <= 1e-4 and draft.train.max_tokens >= config["data"]["max_length"]
 
 
 def test_preflight_refuses_a_draft_that_cannot_fit_before_any_rank_starts(tmp_path):

@@ -24,6 +24,7 @@ from eagleflow.store.integrity import (
 )
 from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.evaluate.sets import HELDOUT as HELDOUT_SET, set_files, sets_from_config
+from eagleflow.plan.settings import DraftSettings
 from eagleflow.target.layers import resolve_layer_ids
 from eagleflow.target.checks import check_target_code, check_target_path
 from eagleflow.target.info import TOKENIZER_FILES, TargetError, read_target
@@ -78,6 +79,13 @@ try:
         built_with_code=[TINY_KIMI_TARGET],
     )
 except TargetError as e:
+    raise WorkflowError(str(e))
+
+# The `draft:` section, typed once (eagleflow.plan.settings): every draft rule, resource
+# function and script reads this, not the dict. A setting that cannot work is one sentence.
+try:
+    DRAFT_SETTINGS = DraftSettings.from_config(config)
+except ValueError as e:
     raise WorkflowError(str(e))
 
 
@@ -186,7 +194,7 @@ def per_shard(suffix):
 def draft_shards(wildcards):
     """What the draft's rules read: the extracted shards (draft.states: stored), or the token
     shards whose states the capture server streams (stream, cached)."""
-    if config["draft"]["states"] == "stored":
+    if DRAFT_SETTINGS.states.stored:
         return shard_files(wildcards.fp, ".safetensors")
     return [
         f"{R}/shards/tokens/{s}.safetensors" for s in checked_shard_ids(wildcards.fp)
@@ -247,9 +255,7 @@ def extraction_summary(wildcards):
 def stored_extraction(wildcards):
     """`all`'s extraction: every shard extracted and verified, unless the draft streams its
     states (draft.states: stream | cached), which extracts nothing."""
-    return (
-        extraction_summary(wildcards) if config["draft"]["states"] == "stored" else []
-    )
+    return extraction_summary(wildcards) if DRAFT_SETTINGS.states.stored else []
 
 
 def evaluation_outputs(wildcards):
@@ -317,5 +323,4 @@ def progress_training(wildcards):
     return {
         "work_dir": f"{R}/draft/{fp}/train.work",
         "ranks": TRAIN_JOB.ranks,
-        "heldout_modulus": config["data"]["heldout_modulus"],
     }

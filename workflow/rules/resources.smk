@@ -104,8 +104,7 @@ REGENERATE_GROUP = "regenerate" if SHARDS_PER_ALLOCATION > 1 else None
 # tasks with their GPUs and CPUs; memory from the draft's memory plan; a runtime from the
 # tokens to train at the rate this run measured (its progress.json), else
 # draft.tokens_per_second_per_rank (eagleflow.plan.resources, docs/slurm.md).
-DRAFT_SETTINGS = config["draft"]
-TRAIN_JOB = trainres.TrainJob.from_config(DRAFT_SETTINGS, EXTRACT)
+TRAIN_JOB = trainres.TrainJob.from_settings(DRAFT_SETTINGS, EXTRACT)
 TRAIN_SLURM = TRAIN_JOB.slurm()
 
 
@@ -135,8 +134,8 @@ def training_tokens():
     columns = ["sample_id", "n_tokens", "n_loss_tokens"]
     return trainres.TrainingTokens.from_manifest(
         pd.read_parquet(shard_manifest(), columns=columns),
-        excluder(config["data"]["heldout_modulus"]),
-        DRAFT_SETTINGS["max_sample_tokens"],
+        excluder(DRAFT_SETTINGS.heldout_modulus),
+        DRAFT_SETTINGS.train.max_sample_tokens,
     )
 
 
@@ -146,8 +145,8 @@ def train_runtime(wildcards, attempt):
     progress = trainres.read_progress(f"{R}/draft/{wildcards.fp}/train.work")
     rate = trainres.measured_rate_per_rank(progress)
     return trainres.train_runtime_minutes(
-        training_tokens().to_train(DRAFT_SETTINGS),
-        rate or DRAFT_SETTINGS["tokens_per_second_per_rank"],
+        training_tokens().to_train(DRAFT_SETTINGS.train),
+        rate or DRAFT_SETTINGS.ranks.tokens_per_second_per_rank,
         TRAIN_JOB.ranks,
         attempt,
     )
@@ -158,26 +157,26 @@ def train_memory_plan():
     """The draft's per-device memory plan at the target's shape and the longest pack (samples
     are at most data.max_length tokens), at the job's world size."""
     from eagleflow.draft.model import draft_config_for
-    from eagleflow.plan.settings import draft_overrides
     from eagleflow.train.memory_plan import Workload, plan_memory
     from eagleflow.target.head import read_target_config
 
     target = read_target_config(TARGET)
+    cfg = DRAFT_SETTINGS.train
     draft = draft_config_for(
         target,
-        min(DRAFT_SETTINGS["vocab_size"], int(target["vocab_size"])),
+        min(DRAFT_SETTINGS.vocab_size, int(target["vocab_size"])),
         len(layer_ids()) - 1,
-        **draft_overrides(DRAFT_SETTINGS),
+        **DRAFT_SETTINGS.model.overrides(),
     )
     longest = config["data"]["max_length"]
-    if DRAFT_SETTINGS["max_sample_tokens"]:
-        longest = min(longest, DRAFT_SETTINGS["max_sample_tokens"])
+    if cfg.max_sample_tokens:
+        longest = min(longest, cfg.max_sample_tokens)
     workload = Workload(
-        max(DRAFT_SETTINGS["max_tokens"], longest),
-        DRAFT_SETTINGS["ttt_steps"],
+        max(cfg.max_tokens, longest),
+        cfg.ttt_steps,
         TRAIN_JOB.ranks,
         TRAIN_JOB.device,
-        DRAFT_SETTINGS["sequence_parallel"],
+        cfg.sequence_parallel,
     )
     return plan_memory(draft, workload)
 
@@ -186,8 +185,8 @@ def train_mem_mb(wildcards):
     """Host memory per node: every rank's packs in flight, overhead, and on CPU its plan."""
     return trainres.host_mem_mb(
         train_memory_plan(),
-        DRAFT_SETTINGS["num_workers"],
-        DRAFT_SETTINGS["prefetch_factor"],
+        DRAFT_SETTINGS.train.num_workers,
+        DRAFT_SETTINGS.train.prefetch_factor,
         TRAIN_JOB.processes_per_node,
     )
 

@@ -5,13 +5,10 @@
 # (same seed, recipe, draft and shards; eagleflow.plan.settings.recipe_of), at any world
 # size; train/best/ is the draft with the best simulated acceptance length, what export reads.
 
-from eagleflow.plan.launch import recipe_settings
-
 DRAFT = f"{R}/draft/{{fp}}"
-DRAFT_CFG = config["draft"]
 # draft.states (docs/streaming.md): stored reads the extracted shards; stream and cached read
 # the token shards, and the capture server prefills their states while the trainer runs.
-STORED = DRAFT_CFG["states"] == "stored"
+STORED = DRAFT_SETTINGS.states.stored
 
 
 rule draft_vocab:
@@ -29,8 +26,8 @@ rule draft_vocab:
         CONDA_ENV
     params:
         target=TARGET,
-        size=DRAFT_CFG["vocab_size"],
-        heldout_modulus=config["data"]["heldout_modulus"],
+        size=DRAFT_SETTINGS.vocab_size,
+        heldout_modulus=DRAFT_SETTINGS.heldout_modulus,
     script:
         "../scripts/draft_vocab.py"
 
@@ -74,14 +71,11 @@ rule train_draft:
         runtime=train_runtime,
     # The settings that decide the weights or the run's extent (a change re-runs the job,
     # which resumes or restarts); the script reads the others (launch, validation and
-    # checkpoint intervals, data loading) from the config.
+    # checkpoint intervals, data loading) from the same typed settings.
     params:
         target=TARGET,
         workdir=f"{DRAFT}/train.work",
-        recipe={
-            **recipe_settings(DRAFT_CFG),
-            "heldout_modulus": config["data"]["heldout_modulus"],
-        },
+        recipe=DRAFT_SETTINGS.recipe(),
     script:
         "../scripts/train_draft.py"
 
@@ -103,6 +97,6 @@ rule export_draft:
     params:
         target=TARGET,
         outdir=f"{DRAFT}/export",
-        speculative_tokens=DRAFT_CFG["speculative_tokens"],
+        speculative_tokens=DRAFT_SETTINGS.speculative_tokens,
     script:
         "../scripts/export_draft.py"

@@ -10,6 +10,7 @@ from eagleflow.extract.progress import (
 )
 from eagleflow.logs import redirect_to_log
 from eagleflow.plan.progress import format_training_progress, training_progress
+from eagleflow.plan.settings import DraftSettings
 from eagleflow.plan.stream_cost import TRAINER_ASSUMED, StatesCost, engine_rate
 from eagleflow.store.quant import bytes_per_token
 
@@ -40,12 +41,12 @@ else:
 training = snakemake.params.training
 if training is not None:
     columns = ["sample_id", "n_tokens", "n_loss_tokens"]
+    draft = DraftSettings.from_config(snakemake.config)
     plan = training_progress(
         pd.read_parquet(snakemake.input.manifest, columns=columns),
         training["work_dir"],
-        snakemake.params.draft,
+        draft,
         training["ranks"],
-        training["heldout_modulus"],
     )
     parts.append(format_training_progress(plan))
     # What the states cost in the run's draft.states mode: bytes on disk, target prefill-hours,
@@ -53,8 +54,8 @@ if training is not None:
     rate, source = engine_rate(snakemake.config["extract"], progress["measured_tokens_per_second"])
     per_rank, ranks = plan["tokens_per_second_per_rank"], plan["ranks"]
     measured = "measured by this run's checkpoints" if plan["rate_measured"] else TRAINER_ASSUMED
-    cost = StatesCost.from_config(
-        snakemake.params.draft,
+    cost = StatesCost.from_settings(
+        draft,
         tokens_per_epoch=plan["prefill_tokens_per_epoch"],
         loss_tokens_per_epoch=plan["tokens_per_epoch"],
         extracted_tokens=progress["tokens_total"],

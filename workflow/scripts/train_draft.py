@@ -32,27 +32,27 @@ with redirect_to_log(snakemake.log[0]):
     shards = sorted(snakemake.input.shards)
     stream = None
     try:
-        if config["draft"]["states"] != "stored":
+        draft = DraftSettings.from_config(config)
+        if not draft.states.stored:
             fp = snakemake.wildcards.fp
             stream = StreamSource.for_job(
                 config,
+                draft.states,
                 snakemake.input.plan,
                 Path(config["results_dir"]) / "logs" / "extract" / fp / "stream.log",
             )
         run = launch_for_job(
-            config["draft"],
+            draft,
             config["extract"],
             srun=bool(snakemake.resources.get("mpi")),
             threads=snakemake.threads,
         )
-        settings = DraftSettings.from_config(config, run.device)
-        cfg, overrides = settings.train, settings.draft_overrides
         preflight(
             shards,
             snakemake.params.target,
             load_vocab(snakemake.input.vocab),
-            cfg,
-            overrides,
+            draft.train,
+            draft.model.overrides(),
             run,
             log=lambda line: None,  # the trainer logs the plan; a refusal is the sentence
             stream_layer_ids=stream.plan.layer_ids if stream else None,
@@ -60,7 +60,7 @@ with redirect_to_log(snakemake.log[0]):
     except (launch.LaunchError, MemoryPlanError, ValueError) as e:
         raise UserError(str(e)) from None
     args = launch.trainer_args(
-        shards, snakemake.params.target, snakemake.input.vocab, work, cfg, overrides, stream
+        shards, snakemake.params.target, snakemake.input.vocab, work, draft, stream
     )
     cmd = launch.command(run, args)
     launcher = cmd.argv[: len(cmd.argv) - len(args)]

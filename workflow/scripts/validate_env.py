@@ -8,10 +8,12 @@ from eagleflow.evaluate.sets import check_sets
 from eagleflow.extract.preflight import validate
 from eagleflow.logs import redirect_to_log
 from eagleflow.plan.resources import TrainingTokens
-from eagleflow.plan.stream_cost import states_cost_of_config
+from eagleflow.plan.settings import DraftSettings
+from eagleflow.plan.stream_cost import configured_states_cost
 
 with redirect_to_log(snakemake.log[0]):
     config = snakemake.config
+    draft = DraftSettings.from_config(config)
     manifest = pd.read_parquet(
         snakemake.input.manifest, columns=["sample_id", "n_tokens", "n_loss_tokens"]
     )
@@ -19,8 +21,8 @@ with redirect_to_log(snakemake.log[0]):
     # An epoch's training samples, for what the draft.states mode costs (as `progress` counts).
     training = TrainingTokens.from_manifest(
         manifest,
-        excluder(config["data"]["heldout_modulus"]),
-        config["draft"].get("max_sample_tokens", 0),
+        excluder(draft.heldout_modulus),
+        draft.train.max_sample_tokens,
     )
     # Under a cluster executor this runs where Snakemake runs (often a login node without
     # GPUs): device and memory checks are then left to each extract job.
@@ -31,8 +33,8 @@ with redirect_to_log(snakemake.log[0]):
         total_tokens,
         snakemake.params.results_dir,
         device_checks=device_checks,
-        states_cost=lambda per_token: states_cost_of_config(
-            config, total_tokens, per_token, training
+        states_cost=lambda per_token: configured_states_cost(
+            draft, config["extract"], total_tokens, per_token, training
         ),
     )
     # The evaluation's prompt sets: a missing or malformed file stops the run now, not after

@@ -126,7 +126,7 @@ def draft_config_for(target_config: dict, draft_vocab_size: int, num_aux: int, *
     """The one way a draft's config is made from its target's config.json (a wrapper's
     `text_config` read through): the trainer (`eagleflow.draft.weights.build_draft`), the
     check before launch and the job's memory plan (resources.smk) all call it, with the
-    overrides `eagleflow.plan.settings.draft_overrides` takes from `draft:`."""
+    overrides `eagleflow.plan.settings.DraftModel` takes from `draft:`."""
     if "hidden_size" not in target_config:
         target_config = target_config["text_config"]
     return DraftConfig.for_target(target_config, draft_vocab_size, num_aux, **overrides)

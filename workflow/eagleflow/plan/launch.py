@@ -33,15 +33,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleflow.plan.settings import (
-    ARCH_KEYS,
-    EXTENT_KEYS,
-    RECIPE_KEYS,
-    DraftSettings,
-    SettingsError,
-    TrainConfig,
-    check_world,
-)
+from eagleflow.plan.settings import DraftSettings, SettingsError, StatesSource, check_world
 
 TRAINER = "eagleflow.train.cli"
 LAUNCHER = "eagleflow.train.rank"  # one srun task, one rank
@@ -84,11 +76,11 @@ class Launch:
             raise LaunchError(str(e)) from None
 
 
-def trainer_devices(draft: dict, visible: int) -> str | None:
+def trainer_devices(states: StatesSource, visible: int) -> str | None:
     """The ranks' devices when a streaming run's engine server takes some of this node's
     (`draft.stream_engine_devices`): the others, as CUDA_VISIBLE_DEVICES; None otherwise."""
-    engine = draft.get("stream_engine_devices")
-    if draft.get("states", "stored") == "stored" or engine is None:
+    engine = states.engine_devices
+    if states.stored or engine is None:
         return None
     try:
         taken = {int(d) for d in str(engine).split(",")}
@@ -108,33 +100,14 @@ def trainer_devices(draft: dict, visible: int) -> str | None:
 # ---------------------------------------------------------------- settings and command
 
 
-def train_settings(draft: dict, heldout_modulus: int, device: str) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, DraftConfig overrides) of the workflow's `draft` section
-    (`DraftSettings.from_config`). The trainer gets `cpu`, or `auto` on CUDA (each rank then
-    takes cuda:LOCAL_RANK)."""
-    config = {"draft": draft, "data": {"heldout_modulus": heldout_modulus}}
-    settings = DraftSettings.from_config(config, device)
-    return settings.train, settings.draft_overrides
-
-
-def recipe_settings(draft: dict) -> dict:
-    """The `draft` keys that decide the trained weights or the run's extent: train_draft's
-    params, so that a change to one of them (and to nothing else) runs the job again (it then
-    resumes or restarts, as its checkpoint's recipe decides: `settings.recipe_of`).
-    `heldout_modulus` is `data.heldout_modulus`, a param of its own."""
-    names = set(RECIPE_KEYS) | set(EXTENT_KEYS) | set(ARCH_KEYS)
-    return {k: draft[k] for k in sorted(names) if k in draft}
-
-
-def trainer_args(
-    shards, target, vocab, out, cfg: TrainConfig, overrides: dict, stream=None
-) -> list[str]:
-    """The trainer's command-line arguments (`eagleflow.train.cli.main`); the settings go
-    into `out`/train_config.json, which the log and a rerun by hand can read, and a
+def trainer_args(shards, target, vocab, out, settings: DraftSettings, stream=None) -> list[str]:
+    """The trainer's command-line arguments (`eagleflow.train.cli.main`); the training
+    settings (`settings.train`) go into `out`/train_config.json, which the log and a rerun by
+    hand can read, the draft's overrides (`settings.model`) into `--draft`, and a
     `stream` source (`eagleflow.train.states.StreamSource`) into `out`/stream.json."""
     Path(out).mkdir(parents=True, exist_ok=True)
     config = Path(out) / CONFIG_FILE
-    config.write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    config.write_text(json.dumps(asdict(settings.train), indent=1) + "\n")
     return [
         "--shards",
         *map(str, shards),
@@ -147,7 +120,7 @@ def trainer_args(
         "--config",
         str(config),
         "--draft",
-        json.dumps(overrides),
+        json.dumps(settings.model.overrides()),
     ] + (["--stream", stream_file(out, stream)] if stream is not None else [])
 
 

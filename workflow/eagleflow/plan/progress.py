@@ -11,23 +11,25 @@ from pathlib import Path
 
 from eagleflow.data.heldout import excluder
 from eagleflow.plan.resources import TrainingTokens, measured_rate_per_rank, read_progress
+from eagleflow.plan.settings import DraftSettings
 
 
-def training_progress(manifest, work_dir, draft: dict, ranks: int, heldout_modulus: int) -> dict:
+def training_progress(manifest, work_dir, draft: DraftSettings, ranks: int) -> dict:
     """`manifest`: the token manifest (sample_id, n_tokens, n_loss_tokens); `work_dir`: the
-    trainer's; `draft`: the config's `draft` section; `ranks`: nodes x processes per node."""
+    trainer's; `ranks`: nodes x processes per node (`TrainJob.ranks`)."""
+    cfg = draft.train
     epoch = TrainingTokens.from_manifest(
-        manifest, excluder(heldout_modulus), draft.get("max_sample_tokens", 0)
+        manifest, excluder(cfg.heldout_modulus), cfg.max_sample_tokens
     )
-    total = epoch.to_train(draft)
+    total = epoch.to_train(cfg)
     progress = read_progress(work_dir) or {}
     trained = int(progress.get("tokens_trained") or 0)
     measured = measured_rate_per_rank(progress)
-    rate = measured or float(draft["tokens_per_second_per_rank"])
+    rate = measured or draft.ranks.tokens_per_second_per_rank
     to_do = max(0, total - trained)
     return {
-        "epochs": int(draft["epochs"]),
-        "max_steps": int(draft.get("max_steps") or 0),
+        "epochs": cfg.epochs,
+        "max_steps": cfg.max_steps,
         "training_samples": epoch.samples,
         "tokens_per_epoch": epoch.loss_tokens,
         "prefill_tokens_per_epoch": epoch.tokens,  # all of them: what draft.states stream prefills

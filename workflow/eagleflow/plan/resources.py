@@ -20,6 +20,7 @@ from eagleflow.extract.resources import (
     STARTUP_MINUTES,
     extract_gpus,
 )
+from eagleflow.plan.settings import DraftSettings, Ranks, TrainConfig
 
 CPUS_PER_GPU_RANK = 8  # as an extract job per GPU (eagleflow.extract.resources.CPUS_PER_GPU)
 # Start-up and end of a training job beyond its steps: imports, reading the target's
@@ -31,28 +32,19 @@ RANK_OVERHEAD_MB = 4096
 PROGRESS = "progress.json"  # eagleflow.train.records.PROGRESS, in the trainer's work dir
 
 
-def device_type(draft: dict, extract: dict) -> str:
-    """`cuda` or `cpu`: `draft.device`, where `auto` follows `extract.device` (the devices the
-    workflow's GPU jobs are given)."""
-    device = draft.get("device", "auto")
-    if device == "auto":
-        device = extract["device"]
-    return "cuda" if device.startswith("cuda") else "cpu"
-
-
 def requested_gpus_per_node(extract: dict) -> int:
     """A node's GPUs as an extract job asks for them (`extract.gpus_per_job`, else TP x PP /
     nodes): what `draft.processes_per_node: null` asks SLURM for on CUDA."""
     return max(1, extract_gpus({**extract, "device": "cuda"}))
 
 
-def processes_per_node(draft: dict, extract: dict, visible_gpus: int | None = None) -> int:
+def processes_per_node(ranks: Ranks, extract: dict, visible_gpus: int | None = None) -> int:
     """`draft.processes_per_node`; null: 1 on CPU; on CUDA every GPU the job sees
     (`visible_gpus`, counted in a job that runs on this machine) or, for a job to be
     submitted, the GPUs it asks for (`requested_gpus_per_node`)."""
-    if draft.get("processes_per_node") is not None:
-        return int(draft["processes_per_node"])
-    if device_type(draft, extract) == "cpu":
+    if ranks.processes_per_node is not None:
+        return int(ranks.processes_per_node)
+    if ranks.device == "cpu":
         return 1
     return visible_gpus or requested_gpus_per_node(extract)
 
@@ -67,13 +59,15 @@ class TrainJob:
     cpus_per_rank: int
 
     @classmethod
-    def from_config(cls, draft: dict, extract: dict) -> TrainJob:
-        per_node = processes_per_node(draft, extract)
-        device = device_type(draft, extract)
-        cpus = draft.get("cpus_per_rank")
+    def from_settings(cls, draft: DraftSettings, extract: dict) -> TrainJob:
+        """The job `draft` asks for; `extract`: the config's section, whose GPUs per job a
+        CUDA rank count left null follows."""
+        ranks = draft.ranks
+        cpus = ranks.cpus_per_rank
         if cpus is None:
-            cpus = CPUS_PER_GPU_RANK if device == "cuda" else int(draft["num_workers"]) + 1
-        return cls(int(draft.get("nodes", 1)), per_node, device, int(cpus))
+            cpus = CPUS_PER_GPU_RANK if ranks.device == "cuda" else draft.train.num_workers + 1
+        per_node = processes_per_node(ranks, extract)
+        return cls(ranks.nodes, per_node, ranks.device, int(cpus))
 
     @property
     def ranks(self) -> int:
@@ -137,17 +131,15 @@ class TrainingTokens:
         rows = manifest[keep]
         return cls(len(rows), int(rows["n_tokens"].sum()), int(rows["n_loss_tokens"].sum()))
 
-    def to_train(self, draft: dict) -> int:
+    def to_train(self, cfg: TrainConfig) -> int:
         """Loss-masked tokens of the whole run: `epochs` x an epoch's, or the share of that
         `max_steps` covers (counting an epoch's steps as if every pack were full, so the
         share is never underestimated)."""
-        total = int(draft["epochs"]) * self.loss_tokens
-        if not draft.get("max_steps"):
+        total = cfg.epochs * self.loss_tokens
+        if not cfg.max_steps:
             return total
-        steps = int(draft["epochs"]) * math.ceil(
-            self.tokens / int(draft["max_tokens"]) / int(draft["batch_packs"])
-        )
-        return min(total, math.ceil(total * int(draft["max_steps"]) / max(1, steps)))
+        steps = cfg.epochs * math.ceil(self.tokens / cfg.max_tokens / cfg.batch_packs)
+        return min(total, math.ceil(total * cfg.max_steps / max(1, steps)))
 
 
 def read_progress(work_dir) -> dict | None:

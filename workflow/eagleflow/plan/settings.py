@@ -3,7 +3,7 @@ reads them while it plans (`eagleflow.plan.resources`, `eagleflow.plan.launch`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from eagleflow.data.heldout import HELDOUT_MODULUS
@@ -80,19 +80,14 @@ EXTENT_KEYS = ("epochs", "max_steps")
 RUNTIME_KEYS = ("eval_every", "eval_samples", "save_every", "num_workers", "prefetch_factor")
 RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeout")
 # What decides the trained weights: every other TrainConfig field. The one definition that
-# both the workflow (a change reruns train_draft: `eagleflow.plan.launch.recipe_settings`) and
-# the trainer (a change restarts from step 0: `recipe_of`) read.
+# both the workflow (a change reruns train_draft: `DraftSettings.recipe`) and the trainer (a
+# change restarts from step 0: `recipe_of`) read.
 RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_KEYS + RUNTIME_KEYS)
 
 
 ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
 DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
-
-
-def draft_overrides(draft: dict) -> dict:
-    """The DraftConfig overrides of the `draft` section: what the trainer, the check before
-    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
-    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
+STATES = ("stored", "stream", "cached")  # draft.states (docs/streaming.md)
 
 
 class SettingsError(ValueError):
@@ -138,24 +133,124 @@ def check_world(world: int, batch_packs: int, sequence_parallel: int, streamed=F
 
 
 @dataclass(frozen=True)
+class DraftModel:
+    """The DraftConfig overrides of `draft:` (`eagleflow.draft.model.draft_config_for`):
+    `fc_norm` and `norm_output` decide what the weights mean (`ARCH_KEYS`, recipe); the
+    attention kernel and activation checkpointing only how they are computed (runtime)."""
+
+    attention: str
+    activation_checkpointing: bool
+    fc_norm: bool
+    norm_output: bool
+
+    def overrides(self) -> dict:
+        """The keywords `draft_config_for` takes, as the trainer's `--draft` flag carries them."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StatesSource:
+    """Where the trainer's hidden states come from (`draft.states` and its stream settings,
+    docs/streaming.md): runtime, the packs and token ids are the same in the three modes."""
+
+    mode: str  # stored | stream | cached
+    cache_bytes: int  # cached: the most bytes the state cache may hold
+    scratch_dir: str  # draft.stream_dir: a memory filesystem for one pack's states
+    engine_devices: str | None  # draft.stream_engine_devices: CUDA devices the engine takes
+    tcp: bool  # draft.stream_tcp
+    tls: bool  # draft.stream_tls, only over TCP
+
+    def __post_init__(self):
+        if self.mode not in STATES:
+            raise SettingsError(f"draft.states = {self.mode!r}: one of {', '.join(STATES)}")
+
+    @property
+    def stored(self) -> bool:
+        """The extracted shards are read; otherwise the capture server prefills the states."""
+        return self.mode == "stored"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How many ranks train and where (`draft.nodes` x `draft.processes_per_node`): runtime,
+    the global batch is in packs (`eagleflow.plan.resources.TrainJob` sizes the job)."""
+
+    device: str  # cuda | cpu: draft.device, where auto follows extract.device
+    nodes: int
+    processes_per_node: int | None  # None: 1 on CPU, every GPU of a node on CUDA
+    cpus_per_rank: int | None  # None: 8 per GPU rank, num_workers + 1 on CPU
+    tokens_per_second_per_rank: float  # the assumed rate until a checkpoint measures one
+
+
+@dataclass(frozen=True)
 class DraftSettings:
-    """The workflow's `draft:` section, typed and built once (`from_config`), and what each
-    key is: the recipe (`RECIPE_KEYS` and `ARCH_KEYS`: they decide the weights; a change
-    re-runs train_draft, which restarts from step 0), the extent (`EXTENT_KEYS`: a change
-    re-runs it, which resumes), and the rest, runtime (world size, sequence splitting, states
-    source, intervals, data loading: they change how a run goes, not what it makes)."""
+    """The workflow's `draft:` section, typed and built once from the validated config
+    (`from_config`); every rule, script and check reads this, not the dict. What each key is:
+
+    - the recipe (`RECIPE_KEYS` of `train`, `ARCH_KEYS` of `model`): they decide the weights;
+      a change re-runs train_draft, which restarts from step 0 (`recipe_of`);
+    - the extent (`EXTENT_KEYS`): a change re-runs it, which resumes;
+    - runtime: the rest of `train` (intervals, data loading, sequence splitting), `states`
+      and `ranks`: they change how a run goes, not what it makes.
+
+    `train.heldout_modulus` is `data.heldout_modulus`, the one route by which the draft's
+    rules (vocabulary, trainer, progress) learn which samples are held out."""
 
     train: TrainConfig
-    draft_overrides: dict  # DraftConfig overrides (`DRAFT_KEYS`)
-    states: str = "stored"  # stored | stream | cached (docs/streaming.md)
+    model: DraftModel
+    states: StatesSource
+    ranks: Ranks
+    vocab_size: int  # draft vocabulary (draft_vocab; recipe through the vocabulary file)
+    speculative_tokens: int  # what the exported config asks vLLM for (export_draft)
 
     @classmethod
-    def from_config(cls, config: dict, device: str = "cpu") -> DraftSettings:
-        """From the workflow config; `device`: where the ranks run (cuda: each rank takes
-        cuda:LOCAL_RANK, `auto` in the trainer's settings)."""
+    def from_config(cls, config: dict) -> DraftSettings:
+        """From the workflow config after schema validation (every key has its default)."""
         draft = config["draft"]
+        device = draft["device"]
+        if device == "auto":
+            device = config["extract"]["device"]
+        device = "cuda" if device.startswith("cuda") else "cpu"
         names = {f.name for f in fields(TrainConfig)}
-        values = {k: v for k, v in draft.items() if k in names}
-        values["heldout_modulus"] = config["data"]["heldout_modulus"]
-        values["device"] = "auto" if device == "cuda" else "cpu"
-        return cls(TrainConfig(**values), draft_overrides(draft), draft.get("states", "stored"))
+        train = {k: v for k, v in draft.items() if k in names}
+        train["heldout_modulus"] = config["data"]["heldout_modulus"]
+        # the trainer's device: each rank takes cuda:LOCAL_RANK (auto), or the CPU
+        train["device"] = "auto" if device == "cuda" else "cpu"
+        return cls(
+            train=TrainConfig(**train),
+            model=DraftModel(**{k: draft[k] for k in DRAFT_KEYS}),
+            states=StatesSource(
+                mode=draft["states"],
+                cache_bytes=int(draft["cache_bytes"]),
+                scratch_dir=draft["stream_dir"],
+                engine_devices=draft["stream_engine_devices"],
+                tcp=draft["stream_tcp"],
+                tls=draft["stream_tcp"] and draft["stream_tls"],
+            ),
+            ranks=Ranks(
+                device=device,
+                nodes=int(draft["nodes"]),
+                processes_per_node=draft["processes_per_node"],
+                cpus_per_rank=draft["cpus_per_rank"],
+                tokens_per_second_per_rank=float(draft["tokens_per_second_per_rank"]),
+            ),
+            vocab_size=int(draft["vocab_size"]),
+            speculative_tokens=int(draft["speculative_tokens"]),
+        )
+
+    @property
+    def heldout_modulus(self) -> int:
+        return self.train.heldout_modulus
+
+    def recipe(self) -> dict:
+        """train_draft's params: the settings that decide the weights or the run's extent, so
+        that a change to one of them (and to nothing else) runs the job again (it then resumes
+        or restarts, as its checkpoint's recipe decides: `recipe_of`). The keys sorted, then
+        `heldout_modulus`: the order these params always had, so that Snakemake's record of a
+        finished run still matches and nobody's training reruns. A key added to the recipe
+        (a new `ARCH_KEYS` entry) changes these params for every finished run, and so reruns
+        it: leave it out while it holds the value older drafts were trained with."""
+        names = sorted((set(RECIPE_KEYS) | set(EXTENT_KEYS)) - {"heldout_modulus"})
+        values = {k: getattr(self.train, k) for k in names}
+        values |= {k: getattr(self.model, k) for k in ARCH_KEYS}
+        return {k: values[k] for k in sorted(values)} | {"heldout_modulus": self.heldout_modulus}

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-MODES = ("stored", "stream", "cached")  # eagleflow.train.states.MODES (which imports torch)
+from eagleflow.plan.settings import DraftSettings
+
 ENGINE_ASSUMED = "extract.tokens_per_second"
 TRAINER_ASSUMED = "draft.tokens_per_second_per_rank"
 
@@ -37,7 +38,7 @@ def engine_rate(extract: dict, measured: float | None = None) -> tuple[float, st
 
 @dataclass(frozen=True)
 class StatesCost:
-    mode: str  # draft.states
+    mode: str  # draft.states (checked by `eagleflow.plan.settings.StatesSource`)
     epochs: int  # draft.epochs
     tokens_per_epoch: int  # tokens of an epoch's training samples: what stream prefills
     loss_tokens_per_epoch: int  # their loss-masked tokens: what the trainer counts
@@ -49,18 +50,14 @@ class StatesCost:
     engine_source: str = ENGINE_ASSUMED
     trainer_source: str = TRAINER_ASSUMED
 
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"draft.states = {self.mode!r}: use one of {MODES}")
-
     @classmethod
-    def from_config(cls, draft: dict, **figures) -> StatesCost:
-        """The mode, epochs and cache budget from the config's `draft` section; the token
-        counts, bytes per token and rates (the fields above) as keywords."""
+    def from_settings(cls, draft: DraftSettings, **figures) -> StatesCost:
+        """The mode, epochs and cache budget of the draft's settings; the token counts, bytes
+        per token and rates (the fields above) as keywords."""
         return cls(
-            mode=draft["states"],
-            epochs=int(draft["epochs"]),
-            cache_bytes=int(draft.get("cache_bytes") or 0),
+            mode=draft.states.mode,
+            epochs=draft.train.epochs,
+            cache_bytes=draft.states.cache_bytes,
             **figures,
         )
 
@@ -261,19 +258,20 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
 
 
-def states_cost_of_config(config: dict, total_tokens: int, per_token: int, training=None):
+def configured_states_cost(
+    draft: DraftSettings, extract: dict, total_tokens: int, per_token: int, training=None
+):
     """validate_env's cost of the configured mode at the configured rates:
     `extract.tokens_per_second` (no extract job has measured one yet) and
     `draft.tokens_per_second_per_rank` x the train job's ranks; `training`: an epoch's
     `eagleflow.plan.resources.TrainingTokens` (None: every token, each loss-masked)."""
     from eagleflow.plan.resources import TrainingTokens, TrainJob
 
-    draft = config["draft"]
     epoch = training or TrainingTokens(0, total_tokens, total_tokens)
-    ranks = TrainJob.from_config(draft, config["extract"]).ranks
-    per_rank = float(draft["tokens_per_second_per_rank"])
-    rate, source = engine_rate(config["extract"])
-    return StatesCost.from_config(
+    ranks = TrainJob.from_settings(draft, extract).ranks
+    per_rank = draft.ranks.tokens_per_second_per_rank
+    rate, source = engine_rate(extract)
+    return StatesCost.from_settings(
         draft,
         tokens_per_epoch=epoch.tokens,
         loss_tokens_per_epoch=epoch.loss_tokens,

@@ -6,8 +6,8 @@ their order (`Checkpoints`), under the trainer's output directory:
                                       `torch.distributed.checkpoint` save of every Stateful
                                       component (model, optimizer, progress, rng), each rank
                                       writing its own shards (`__<rank>_0.distcp`, `.metadata`)
-        recipe.json                   what decides the weights (`DraftSettings.recipe` and
-                                      the data, draft and vocabulary): a rerun resumes only
+        recipe.json                   what decides the weights (`plan.settings.recipe_of`:
+                                      settings, data, draft, vocabulary): a rerun resumes only
                                       when its own recipe equals this one
     checkpoints/step-00000160.partial/  a save in progress: never read, removed on start
     best/                             the draft with the best simulated acceptance length,

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from eagleflow.plan.launch import Launch, LaunchError, trainer_devices
 from eagleflow.plan.resources import TrainJob, processes_per_node
-from eagleflow.plan.settings import TrainConfig
+from eagleflow.plan.settings import DraftSettings, TrainConfig
 
 
-def launch_for_job(draft: dict, extract: dict, srun: bool, threads: int) -> Launch:
+def launch_for_job(draft: DraftSettings, extract: dict, srun: bool, threads: int) -> Launch:
     """The launch of a train_draft job: under SLURM (`srun`: its resources hold `mpi`),
     the ranks and CPUs it was submitted with (`TrainJob`); on this machine, every GPU
     it sees when `draft.processes_per_node` is null, and its `threads` shared by them."""
-    job = TrainJob.from_config(draft, extract)
+    job = TrainJob.from_settings(draft, extract)
     if srun:
         return Launch(job.nodes, job.processes_per_node, job.device, True, job.cpus_per_rank)
     visible, devices = None, None
@@ -26,10 +26,10 @@ def launch_for_job(draft: dict, extract: dict, srun: bool, threads: int) -> Laun
                 "train_draft would train on CUDA (draft.device, where auto follows "
                 "extract.device) but this machine has no GPU: set draft.device to cpu"
             )
-        devices = trainer_devices(draft, visible)
+        devices = trainer_devices(draft.states, visible)
         if devices is not None:
             visible = len(devices.split(","))
-    per_node = processes_per_node(draft, extract, visible)
+    per_node = processes_per_node(draft.ranks, extract, visible)
     return Launch(job.nodes, per_node, job.device, False, max(1, threads // per_node), devices)
 
 
@@ -48,7 +48,8 @@ def preflight(
     longest pack, at this launch's world size, on this node's first device (left to the
     ranks where the launcher sees no GPU). Reads the shards' offsets only.
     `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
-    then the token shards)."""
+    then the token shards). `cfg`: `DraftSettings.train`; `overrides`: the DraftConfig
+    overrides (`DraftSettings.model.overrides()`)."""
     launch.check(cfg.batch_packs, cfg.sequence_parallel, stream_layer_ids is not None)
     import torch
 

@@ -28,13 +28,21 @@ import torch
 from eagleflow.capture.plan import CapturePlan
 from eagleflow.data.shards import TokenShard, read_token_shard
 from eagleflow.extract.stream import from_wire
+from eagleflow.plan.settings import STATES, StatesSource
 from eagleflow.serve.client import EngineClient, ServerSpec
 from eagleflow.store.quant import is_fp8, row_peaks
 from eagleflow.store.state_cache import StateCache, sample_index
-from eagleflow.train.data import ShardLayout, StateSource, layout_of
+from eagleflow.train.data import ShardLayout, StateSource, StoredStates, layout_of, shard_paths
 
-MODES = ("stored", "stream", "cached")
 CAPTURE_SERVER = "eagleflow.extract.capture_server"
+
+
+def state_source(shards, stream: StreamSource | None) -> StateSource:
+    """Where the states of `shards` come from: the extracted shards themselves
+    (`StoredStates`), or, with a `stream` source, the capture server's states of these token
+    shards (`ServedStates`). The one place the trainer's shards become a source."""
+    paths = shard_paths(shards)
+    return StoredStates(paths) if stream is None else ServedStates(stream, paths)
 
 
 class StreamedStatesInvalid(ValueError):
@@ -54,25 +62,25 @@ class StreamSource:
     server_module: str = CAPTURE_SERVER
 
     def __post_init__(self):
-        if self.mode not in MODES[1:]:
-            raise ValueError(f"draft.states = {self.mode!r}: a source of one of {MODES[1:]}")
+        if self.mode not in STATES[1:]:
+            raise ValueError(f"draft.states = {self.mode!r}: a source of one of {STATES[1:]}")
 
     @classmethod
-    def for_job(cls, config: dict, plan_path, log_path) -> StreamSource:
-        """The source of a train_draft job of the workflow `config`: the shared capture server
-        its extract jobs would use (`plan_path`: <hidden>/capture_plan.json; the server's log
-        next to `log_path`), the memory directory and, cached, <hidden>/cache/."""
+    def for_job(cls, config: dict, states: StatesSource, plan_path, log_path) -> StreamSource:
+        """The source of a train_draft job: the shared capture server the extract jobs of the
+        workflow `config` would use (`plan_path`: <hidden>/capture_plan.json; the server's
+        log next to `log_path`), reached as `states` (the draft's settings) says, its memory
+        directory and, cached, <hidden>/cache/."""
         from eagleflow.capture.plan import Strategy, plan_for_pipeline
         from eagleflow.engine.settings import EngineSettings
         from eagleflow.serve.client import engine_server
         from eagleflow.target.info import read_target
 
-        draft = config["draft"]
         settings = EngineSettings.from_config(config, "extract")
         plan = CapturePlan.load(plan_path)
         if plan.strategy is Strategy.EXTRACT_HIDDEN_STATES:
             raise ValueError(
-                f"draft.states = {draft['states']}: the capture plan {plan_path} uses vLLM's "
+                f"draft.states = {states.mode}: the capture plan {plan_path} uses vLLM's "
                 "extract_hidden_states connector, which writes every state to files; set "
                 "capture.strategy to auto or patched_forward to stream"
             )
@@ -83,22 +91,17 @@ class StreamSource:
         server = engine_server(config, settings, plan, hidden / "stream", log_path)
         if server is None:
             raise ValueError(
-                f"draft.states = {draft['states']} streams from the shared engine server: set "
+                f"draft.states = {states.mode} streams from the shared engine server: set "
                 "extract.engine_reuse to true"
             )
-        server = replace(
-            server,
-            tcp=draft["stream_tcp"],
-            tls=draft["stream_tcp"] and draft["stream_tls"],
-            devices=draft["stream_engine_devices"],
-        )
-        cached = draft["states"] == "cached"
+        server = replace(server, tcp=states.tcp, tls=states.tls, devices=states.engine_devices)
+        cached = states.mode == "cached"
         return cls(
-            draft["states"],
+            states.mode,
             server,
-            draft["stream_dir"],
+            states.scratch_dir,
             str(hidden / "cache") if cached else None,
-            int(draft["cache_bytes"]) if cached else 0,
+            states.cache_bytes if cached else 0,
         )
 
     @property

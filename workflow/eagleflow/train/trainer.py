@@ -34,7 +34,7 @@ from eagleflow.plan.settings import TrainConfig, check_world, recipe_of
 from eagleflow.store.locks import work_lock
 from eagleflow.target.head import TargetHead, read_target_config
 from eagleflow.train.checkpoint import Checkpoints, Progress, training_state
-from eagleflow.train.data import StateSource, StoredStates, TrainData, shard_paths
+from eagleflow.train.data import TrainData
 from eagleflow.train.memory_plan import check_memory
 from eagleflow.train.objective import FIGURES, figures
 from eagleflow.train.optimizer import build_optimizers, lr_factor, set_lr
@@ -47,7 +47,7 @@ from eagleflow.train.parallel import (
 )
 from eagleflow.train.records import RunFiles, StepRecord, summary
 from eagleflow.train.sequence_parallel import split_groups
-from eagleflow.train.states import ServedStates, StreamSource
+from eagleflow.train.states import StreamSource, state_source
 from eagleflow.train.step import StepContext, train_step
 from eagleflow.train.validate import Validator
 from eagleflow.train.watchdog import Watchdog
@@ -79,12 +79,6 @@ class Timing:
         return self.tokens / max(time.time() - self.started, 1e-9)
 
 
-def state_source(run: TrainRun) -> StateSource:
-    """The stored shards, or (`run.stream`) the capture server's states of the token shards."""
-    paths = shard_paths(run.shards)
-    return StoredStates(paths) if run.stream is None else ServedStates(run.stream, paths)
-
-
 class Trainer:
     """Builds the run's parts (`__init__`), then `train()` runs the loop."""
 
@@ -96,7 +90,8 @@ class Trainer:
         if rank == 0:
             os.makedirs(run.out_dir, exist_ok=True)
         num_layers = int(read_target_config(run.target_dir)["num_hidden_layers"])
-        self.data = TrainData.read(state_source(run), num_layers, cfg, self.log)
+        source = state_source(run.shards, run.stream)
+        self.data = TrainData.read(source, num_layers, cfg, self.log)
         self._build_model(device)
         self.progress = Progress()
         self.state = training_state(self.model, self.optims, self.progress)
