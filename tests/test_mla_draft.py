@@ -226,3 +226,54 @@ def test_mla_draft_forward_matches_vllm_eagle3_deepseek_module(tiny, tmp_path):
         assert (
             theirs.argmax(-1) == vocab.target_ids[torch.stack([o[-1] for o in ours]).argmax(-1)]
         ).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_mla_draft_trains_with_each_optimizer_and_its_best_loads_back(tiny, tmp_path, optimizer):
+    """The trainer on the MLA draft (one rank, CPU, blockwise kernel): Muon takes its latent
+    and head projections (2D), AdamW its norms; the loss falls; `best/` loads back as the MLA
+    draft it saved and exports in vLLM's layout."""
+    import csv
+
+    from eagleflow.draft.weights import load_trained
+    from eagleflow.plan.settings import TrainConfig
+    from eagleflow.train.optimizer import muon_split
+    from eagleflow.train.trainer import train
+
+    target, shards = tiny
+    vocab = build_draft_vocab(shards, V, 48)
+    draft = build_draft(target, vocab, 3, seed=0, **TINY_MLA)
+    muon, adamw = muon_split(draft)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    assert {names[id(p)] for p in muon} == {
+        n for n in MLA_NAMES if n.endswith(("proj.weight", "mqa.weight")) or n == "fc.weight"
+    }
+    assert all(p.ndim == 1 for p in adamw if "lm_head" not in names[id(p)])
+    cfg = TrainConfig(
+        epochs=100,
+        max_steps=40,
+        batch_packs=1,
+        ttt_steps=3,
+        lr=1e-2,
+        warmup_ratio=0.05,
+        min_lr_ratio=0.1,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        max_tokens=64,
+        save_every=40,
+        eval_every=0,
+        seed=0,
+        num_workers=1,
+        device="cpu",
+        optimizer=optimizer,
+    )
+    train(shards, target, vocab, tmp_path / "run", cfg, TINY_MLA)
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    losses = [float(r["loss"]) for r in rows if r.get("loss")]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    back, meta = load_trained(tmp_path / "run", target_dir=target)
+    assert back.cfg.decoder == "mla" and back.cfg.q_lora_rank == 16
+    assert type(back.layers[0].self_attn).__name__ == "MLAAttention"
+    config = export_draft(back, meta["aux_ids"], shards, target, tmp_path / "export")
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
