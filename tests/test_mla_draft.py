@@ -16,7 +16,7 @@ from eagleflow.draft.model import draft_config_for
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.draft.weights import build_draft
 from eagleflow.export.speculators_format import export_draft
-from support.draft_fixtures import V, write_shard, write_target
+from support.draft_fixtures import TINY_MLA_DRAFT, V, write_shard, write_target
 from support.target_configs import DEEPSEEK_V3, KIMI_K25
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,17 +35,7 @@ DEEPSEEK_V3_ROPE = dict(
     },
     max_position_embeddings=163840,
 )
-# A tiny MLA shape for a target without MLA (write_target's): every key given.
-TINY_MLA = dict(
-    decoder="mla",
-    intermediate_size=48,
-    num_attention_heads=4,
-    q_lora_rank=16,
-    kv_lora_rank=24,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-)
+TINY_MLA = TINY_MLA_DRAFT  # for write_target's target, which has no MLA: every key given
 YARN = dict(
     rope_type="yarn",
     factor=8.0,
