@@ -267,3 +267,21 @@ def test_mla_draft_trains_with_each_optimizer_and_its_best_loads_back(tiny, tmp_
     assert type(back.layers[0].self_attn).__name__ == "MLAAttention"
     config = export_draft(back, meta["aux_ids"], shards, target, tmp_path / "export")
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+
+
+def test_the_reference_loop_rebuilds_the_exported_mla_draft(tiny, tmp_path):
+    """The evaluation's plain-torch reference loads an MLA export as the draft that was
+    exported: the same config and the same logits."""
+    from eagleflow.evaluate.acceptance import load_export
+
+    draft, _ = mla_export(tiny, tmp_path / "export", seed=3, rope_scaling=YARN, fc_norm=True)
+    back, config = load_export(tmp_path / "export")
+    assert back.cfg.architecture() == draft.cfg.architecture()
+    g = torch.Generator().manual_seed(0)
+    n = 20
+    aux = torch.randn(n, 3 * 32, generator=g)
+    tokens = torch.randint(0, V, (3, n), generator=g)
+    args = (aux, tokens, torch.arange(n) + 1, torch.zeros(n, dtype=torch.long), 3)
+    with torch.no_grad():
+        for a, b in zip(draft.ttt_forward(*args), back.ttt_forward(*args)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

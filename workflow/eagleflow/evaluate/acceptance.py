@@ -277,10 +277,17 @@ def load_export(export_dir):
     from safetensors.torch import load_file
 
     from eagleflow.draft.model import DraftConfig, Eagle3Draft
+    from eagleflow.export import deepseek_eagle3
 
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    tl = cfg["transformer_layer_config"]
     weights = load_file(str(Path(export_dir) / "model.safetensors"))
+    if cfg["architectures"] == [deepseek_eagle3.ARCHITECTURE]:  # draft.architecture: mla
+        draft = Eagle3Draft(deepseek_eagle3.draft_config_of(cfg))
+        draft.load_state_dict(
+            {k: (v.float() if v.is_floating_point() else v) for k, v in weights.items()}
+        )
+        return draft.eval(), cfg
+    tl = cfg["transformer_layer_config"]
     dc = DraftConfig(
         hidden_size=tl["hidden_size"],
         intermediate_size=tl["intermediate_size"],

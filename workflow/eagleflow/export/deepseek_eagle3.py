@@ -21,7 +21,8 @@ convention, as stored in the shards) by the target's model runner.
 
 from __future__ import annotations
 
-from eagleflow.draft.model import Eagle3Draft
+from eagleflow.draft.mla import MLA_SHAPE_KEYS
+from eagleflow.draft.model import DraftConfig, Eagle3Draft
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 
@@ -66,3 +67,30 @@ def deepseek_eagle3_config(
         "pad_token_id": target_config.get("pad_token_id"),
         "eagleflow": provenance,
     }
+
+
+def draft_config_of(config: dict) -> DraftConfig:
+    """The `DraftConfig` of an exported MLA draft's config.json (what the reference loop of
+    the evaluation rebuilds): the inverse of `deepseek_eagle3_config`."""
+    rope = dict(config["rope_parameters"])
+    theta = float(rope.pop("rope_theta"))
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    return DraftConfig(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_attention_heads"],
+        head_dim=qk,
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        num_aux=len(config["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=theta,
+        max_position_embeddings=config["max_position_embeddings"],
+        norm_before_residual=config["norm_before_residual"],
+        fc_norm=config.get("fc_norm", False),
+        norm_output=config.get("norm_output", False),
+        decoder="mla",
+        **{key: config[key] for key in MLA_SHAPE_KEYS},
+        rope_scaling=None if rope["rope_type"] == "default" else rope,
+    )
