@@ -16,7 +16,7 @@ from eagleflow.draft.model import draft_config_for
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.draft.weights import build_draft
 from eagleflow.export.speculators_format import export_draft
-from support.draft_fixtures import TINY_MLA_DRAFT, V, write_shard, write_target
+from support.draft_fixtures import TINY_DRAFT, TINY_MLA_DRAFT, V, write_shard, write_target
 from support.target_configs import DEEPSEEK_V3, KIMI_K25
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,3 +285,15 @@ def test_the_reference_loop_rebuilds_the_exported_mla_draft(tiny, tmp_path):
     with torch.no_grad():
         for a, b in zip(draft.ttt_forward(*args), back.ttt_forward(*args)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_acceptance_report_names_the_exports_architecture(tiny, tmp_path):
+    from eagleflow.evaluate.acceptance import draft_architecture
+
+    mla_export(tiny, tmp_path / "mla", seed=0)
+    target, shards = tiny
+    vocab = build_draft_vocab(shards, V, 48)
+    llama = build_draft(target, vocab, 3, seed=0, **TINY_DRAFT)
+    export_draft(llama, [1, 2, 3], shards, target, tmp_path / "llama")
+    assert draft_architecture(tmp_path / "mla") == "mla"
+    assert draft_architecture(tmp_path / "llama") == "llama"

@@ -272,6 +272,15 @@ def reference_acceptance(
     return aggregate(records, k)
 
 
+def draft_architecture(export_dir) -> str:
+    """`draft.architecture` of an export, from the model its config.json names: "mla"
+    (Eagle3DeepseekV2ForCausalLM) or "llama" (speculators' Eagle3 with a llama layer)."""
+    from eagleflow.export import deepseek_eagle3
+
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return "mla" if cfg["architectures"] == [deepseek_eagle3.ARCHITECTURE] else "llama"
+
+
 def load_export(export_dir):
     """The exported draft as an `Eagle3Draft` (fp32), from config.json + model.safetensors."""
     from safetensors.torch import load_file
@@ -749,6 +758,7 @@ def evaluate(
         "seed": cfg.seed,
         "target": str(target_dir),
         "draft": str(export_dir),
+        "draft_architecture": draft_architecture(export_dir),
         "given_draft": cfg.given_draft,
         "engine": engine_description(engine),
         "engine_loads": engine_loads,
