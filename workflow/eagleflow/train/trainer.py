@@ -151,21 +151,26 @@ class Trainer:
         per_rank = f"{self.micro_steps} pack(s) per rank and step"
         self.log(f"{self._mode()} on {self.world} rank(s), {per_rank}")
         self.model.train()
-        for step in range(start, end):
-            record = self.train_one(step)
-            row = self.files.step(record)
-            if (step - start) % 50 == 0:
-                self.log(f"step {step + 1}/{total}: loss {row['loss']}, acc_0 {row['acc_0']}")
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total:
-                self.validate_and_keep(step + 1)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == total:
-                self.save(step + 1)
-        if end < total:  # stopped as a crash would
-            self.watchdog.close()
-            return {"start_step": start, "end_step": end, "world_size": self.world}
-        if start == total and self.checkpoints.best_missing(self.device):  # finished, lost
-            self.validate_and_keep(total)
-        return self.finish(start, end)
+        try:
+            for step in range(start, end):
+                record = self.train_one(step)
+                row = self.files.step(record)
+                if (step - start) % 50 == 0:
+                    self.log(f"step {step + 1}/{total}: loss {row['loss']}, acc_0 {row['acc_0']}")
+                if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total:
+                    self.validate_and_keep(step + 1)
+                if (step + 1) % cfg.save_every == 0 or step + 1 == total:
+                    self.save(step + 1)
+            if end < total:  # stopped as a crash would
+                self.watchdog.close()
+                return {"start_step": start, "end_step": end, "world_size": self.world}
+            if start == total and self.checkpoints.best_missing(self.device):  # finished, lost
+                self.validate_and_keep(total)
+            return self.finish(start, end)
+        finally:
+            # The loader's workers end now, not at some later garbage collection (a trainer
+            # run in a long-lived process would otherwise keep them).
+            self.batches = None
 
     def train_one(self, step: int) -> StepRecord:
         """One optimizer step: its packs, the update, and its figures summed over the ranks
