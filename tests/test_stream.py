@@ -329,7 +329,10 @@ def train_config(steps, **kw):
         max_tokens=40,
         save_every=4,
         eval_every=0,
-        num_workers=1,
+        # no loader worker in this process: a fork from a pytest worker, which runs threads,
+        # can deadlock in the child. Workers asking the server for their packs:
+        # test_streamed_packs_are_the_stored_packs and the stream rule run (test_draft.py).
+        num_workers=0,
         device="cpu",
         **kw,
     )

@@ -9,8 +9,12 @@ Tiny synthetic target and shards (tests/support/draft_fixtures.py), one CPU proc
 
 import csv
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,8 @@ from eagleflow.train.parallel import Parallelism, all_reduce
 from eagleflow.train.step import StepContext, train_step
 from eagleflow.train.trainer import train
 from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -217,3 +223,26 @@ def test_extending_a_run_keeps_the_warm_up_of_its_first_total(tiny, tmp_path):
     lr = [r["lr"] for r in rows(out / "metrics.csv")]
     cfg = config(40)
     assert lr[4] == f"{cfg.lr * lr_factor(4, 40, 1, cfg.min_lr_ratio):.3e}", lr[:6]
+
+
+@pytest.mark.slow
+def test_a_run_leaves_no_loader_worker_or_watchdog_thread(tmp_path):
+    """A run ends its loader's workers and its stall watchdog's thread when it returns, and
+    when a step raises: a trainer in a long-lived process (a notebook, these tests) keeps
+    neither, and a later fork copies no running thread. In a fresh process
+    (tests/support/trainer_leftovers.py)."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "workflow"), str(REPO / "tests")])
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "support" / "trainer_leftovers.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["raised_with"] == "a step failed", report
+    nothing = {"children": 0, "threads": []}
+    assert report["finished"] == nothing and report["raised"] == nothing, report

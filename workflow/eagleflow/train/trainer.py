@@ -162,15 +162,16 @@ class Trainer:
                 if (step + 1) % cfg.save_every == 0 or step + 1 == total:
                     self.save(step + 1)
             if end < total:  # stopped as a crash would
-                self.watchdog.close()
                 return {"start_step": start, "end_step": end, "world_size": self.world}
             if start == total and self.checkpoints.best_missing(self.device):  # finished, lost
                 self.validate_and_keep(total)
             return self.finish(start, end)
         finally:
-            # The loader's workers end now, not at some later garbage collection (a trainer
-            # run in a long-lived process would otherwise keep them).
+            # The loader's workers and the watchdog's thread end with the run, raised or not,
+            # not at some later garbage collection (a trainer run in a long-lived process, as
+            # in the tests, would keep them, and a later fork would copy a running thread).
             self.batches = None
+            self.watchdog.close()
 
     def train_one(self, step: int) -> StepRecord:
         """One optimizer step: its packs, the update, and its figures summed over the ranks

@@ -82,6 +82,8 @@ class Watchdog:
         self._closed.set()
         self._current = None
         faulthandler.cancel_dump_traceback_later()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)  # it wakes at least once a second
 
     def _arm(self, what: str) -> None:
         self._current = (what, time.monotonic())
