@@ -254,7 +254,7 @@ def test_mla_draft_trains_with_each_optimizer_and_its_best_loads_back(tiny, tmp_
         save_every=40,
         eval_every=0,
         seed=0,
-        num_workers=1,
+        num_workers=0,  # in-process: no forked loader worker (it can deadlock under pytest)
         device="cpu",
         optimizer=optimizer,
     )
