@@ -4,17 +4,14 @@ import shutil
 import time
 from pathlib import Path
 
-# The suite runs more processes than the machine has cores (three workers, each with engines,
-# Snakemake jobs and ranks of two OpenMP threads). OpenMP threads that wait by spinning then
-# take the cores from the threads they wait for, and every small op of the tiny models pays
-# for it many times over (benchmarks/omp_wait_policy.py). Idle threads sleep instead: set
-# here, before any process of the run loads torch's OpenMP runtime, and inherited by every
-# process the tests start.
-os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# OMP_WAIT_POLICY stays libgomp's default here. With PASSIVE (sleeping waits, set for the
+# whole run at 3b5ea69) a DataLoader worker forked from a pytest worker deadlocked in
+# gomp_team_barrier_wait_end on its first indexing op: libgomp's thread pool is not fork-safe
+# and the copy's team barrier waits for threads that do not exist in the child. CI then ran
+# to its 90-minute limit; the run before that setting passed (docs/testing.md).
+import pytest
 
-import pytest  # noqa: E402
-
-from support.target_configs import DEEPSEEK_V3, fake_checkpoint  # noqa: E402
+from support.target_configs import DEEPSEEK_V3, fake_checkpoint
 
 
 @pytest.fixture(scope="session")

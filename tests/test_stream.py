@@ -180,7 +180,15 @@ def test_streamed_packs_are_the_stored_packs(tmp_path, server_env, storage):
     stored, streamed, source = datasets(tmp_path, storage=storage)
     packs = packs_of(stored)
     assert len(packs) > 4
-    loader = DataLoader(streamed, sampler=packs + [()], batch_size=None, num_workers=2)
+    loader = DataLoader(
+        streamed,
+        sampler=packs + [()],
+        batch_size=None,
+        num_workers=2,
+        # workers from a fresh server process: a pytest worker runs threads (gloo's, other
+        # tests' OpenMP pools), and a worker forked from it deadlocked in libgomp
+        multiprocessing_context="forkserver",
+    )
     for pack, batch in zip(packs + [()], loader):
         assert_same_batch(stored[pack] if pack else stored.padding(), batch)
     assert requests_served(source) == len(packs)  # one request per pack, none for padding
