@@ -297,3 +297,58 @@ def test_the_acceptance_report_names_the_exports_architecture(tiny, tmp_path):
     export_draft(llama, [1, 2, 3], shards, target, tmp_path / "llama")
     assert draft_architecture(tmp_path / "mla") == "mla"
     assert draft_architecture(tmp_path / "llama") == "llama"
+
+
+# ---------------------------------------------------------------- draft.architecture
+
+
+def test_draft_architecture_keys_become_the_draft_configs_overrides():
+    from eagleflow.plan.launch import recipe_settings
+    from eagleflow.plan.settings import SettingsError, draft_overrides
+
+    shape = {"q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None}
+    shape |= {"qk_rope_head_dim": None, "v_head_dim": None, "num_attention_heads": None}
+    llama = {"attention": "flex", "fc_norm": False, "architecture": "llama", **shape, "lr": 1e-4}
+    assert draft_overrides(llama) == {"attention": "flex", "fc_norm": False}
+    # a llama draft's train_draft params are what they were before the MLA keys existed
+    assert recipe_settings(llama) == {"fc_norm": False, "lr": 1e-4}
+    mla = {**llama, "architecture": "mla", "q_lora_rank": 64}
+    assert draft_overrides(mla) == {
+        "attention": "flex",
+        "fc_norm": False,
+        "decoder": "mla",
+        "q_lora_rank": 64,
+    }
+    assert recipe_settings(mla)["architecture"] == "mla"
+    assert recipe_settings(mla)["q_lora_rank"] == 64
+    with pytest.raises(SettingsError) as e:
+        draft_overrides({**llama, "v_head_dim": 64})
+    assert str(e.value) == "draft.v_head_dim is an MLA shape key: it needs draft.architecture: mla"
+    # the overrides give the draft the trainer builds
+    cfg = draft_config_for(DEEPSEEK_V3, 100, 3, **draft_overrides(mla))
+    assert (cfg.decoder, cfg.q_lora_rank, cfg.kv_lora_rank) == ("mla", 64, 512)
+
+
+def test_an_mla_draft_with_evaluate_mla_off_is_refused_before_the_dag(tmp_path):
+    from support.workflow_runner import snakemake
+
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "all",
+        config={"draft": {"architecture": "mla"}, "evaluate": {"mla": False}},
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert (
+        "draft.architecture mla is served by vLLM's Eagle3DeepseekV2ForCausalLM, which runs "
+        "only with MLA on: set evaluate.mla: true"
+    ) in proc.stderr + proc.stdout
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "all",
+        config={"draft": {"architecture": "mla"}, "evaluate": {"mla": True}},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

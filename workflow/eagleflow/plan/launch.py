@@ -41,6 +41,7 @@ from eagleflow.plan.settings import (
     SettingsError,
     TrainConfig,
     check_world,
+    llama_default,
 )
 
 TRAINER = "eagleflow.train.cli"
@@ -123,7 +124,7 @@ def recipe_settings(draft: dict) -> dict:
     resumes or restarts, as its checkpoint's recipe decides: `settings.recipe_of`).
     `heldout_modulus` is `data.heldout_modulus`, a param of its own."""
     names = set(RECIPE_KEYS) | set(EXTENT_KEYS) | set(ARCH_KEYS)
-    return {k: draft[k] for k in sorted(names) if k in draft}
+    return {k: v for k, v in sorted(llama_default(draft).items()) if k in names}
 
 
 def trainer_args(

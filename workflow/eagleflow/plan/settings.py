@@ -85,14 +85,51 @@ RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeo
 RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_KEYS + RUNTIME_KEYS)
 
 
-ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
+# `draft.architecture: mla`: the MLA draft's shape keys (null: the target's), which a llama
+# draft refuses (`eagleflow.draft.mla.MLA_SHAPE_KEYS` and the heads)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_KEYS += ("num_attention_heads",)
+# DraftConfig fields that decide what the weights mean
+ARCH_KEYS = ("fc_norm", "norm_output", "architecture", *MLA_KEYS)
 DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
 
 
 def draft_overrides(draft: dict) -> dict:
     """The DraftConfig overrides of the `draft` section: what the trainer, the check before
-    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`."""
-    return {k: draft[k] for k in DRAFT_KEYS if k in draft}
+    launch and the job's memory plan pass to `eagleflow.draft.model.draft_config_for`.
+    `architecture` is DraftConfig's `decoder`; an MLA shape key left null takes the target's."""
+    overrides = {k: draft[k] for k in DRAFT_KEYS if k in draft and k not in MLA_KEYS}
+    architecture = overrides.pop("architecture", "llama")
+    shape = {k: draft[k] for k in MLA_KEYS if draft.get(k) is not None}
+    if architecture == "mla":
+        return {**overrides, "decoder": "mla", **shape}
+    if shape:
+        raise SettingsError(
+            f"draft.{next(iter(shape))} is an MLA shape key: it needs draft.architecture: mla"
+        )
+    return overrides
+
+
+def llama_default(draft: dict) -> dict:
+    """The `draft` keys without the MLA draft's when the draft is a llama one: they do not
+    exist for it, so that train_draft's params are what they were before them."""
+    if draft.get("architecture", "llama") != "llama":
+        return draft
+    return {k: v for k, v in draft.items() if k not in ("architecture", *MLA_KEYS)}
+
+
+def check_architecture(config: dict) -> None:
+    """`draft.architecture` against the rest of the config, before the DAG: the overrides are
+    valid, and an MLA draft is evaluated by vLLM with MLA on (the CPU KV cache of the MLA
+    target and the MLA draft has no common block size with MLA off)."""
+    draft, ev = config["draft"], config["evaluate"]
+    draft_overrides(draft)
+    mla = draft.get("architecture", "llama") == "mla"
+    if mla and not ev["mla"] and "vllm_eagle3" in ev["paths"]:
+        raise SettingsError(
+            "draft.architecture mla is served by vLLM's Eagle3DeepseekV2ForCausalLM, which "
+            "runs only with MLA on: set evaluate.mla: true"
+        )
 
 
 class SettingsError(ValueError):
