@@ -14,6 +14,11 @@ Parameter names are the speculators checkpoint names (`embed_tokens.weight`, `fc
 prefixes `model.` to all but `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips
 `t2d`, and stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`.
 
+The MLA draft (`decoder="mla"`, `draft.architecture: mla`) is the same draft with the
+attention of vLLM's `Eagle3DeepseekV2ForCausalLM` (`deepseek_eagle3.py`): `MLAAttention`,
+named `layers.0.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,
+kv_a_layernorm,kv_b_proj,o_proj}`, its maths and conventions in `eagleflow.draft.mla`.
+
 `embed_tokens.weight` is a frozen bf16 copy of the target's embedding (as the target stores
 it). It is a non-persistent buffer: no gradient, no optimizer state, not sharded by FSDP, not
 in `state_dict()` (a checkpoint reads it again from the target). `export_state_dict()` adds it
