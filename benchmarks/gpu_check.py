@@ -130,6 +130,26 @@ SMALL_DRAFT_CASES = [
         (64,),
     ),
 ]
+# The MLA draft (`draft.architecture: mla`, shaped by the target's MLA): Kimi-K2.5's at 4k
+# (compiled flex with q.k over 192 dimensions and v over 128), and a tiny one for the smoke mode.
+MLA_SHAPE = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64)
+KIMI_K25_MLA_TEXT = dict(KIMI_K25_TEXT, num_attention_heads=64, v_head_dim=128, **MLA_SHAPE)
+MLA_DRAFT_CASES = [("kimi-k2.5 mla", KIMI_K25_MLA_TEXT, (4096,))]
+SMALL_MLA_DRAFT_CASES = [
+    (
+        "small mla",
+        dict(
+            SMALL_DRAFT_CASES[0][1],
+            num_attention_heads=2,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+        ),
+        (64,),
+    )
+]
 
 
 def sync(device: torch.device) -> None:
@@ -274,12 +294,15 @@ class DraftRig(NamedTuple):
         return plan_memory(self.cfg, Workload(n_tokens, self.train.ttt_steps, 1, device_type))
 
 
-def draft_rig(target: dict, draft_vocab: int, device: torch.device) -> DraftRig:
-    """The draft sized for `target` (config fields) on `device` (meta: shapes only)."""
+def draft_rig(
+    target: dict, draft_vocab: int, device: torch.device, decoder: str = "llama"
+) -> DraftRig:
+    """The draft sized for `target` (config fields) on `device` (meta: shapes only);
+    `decoder`: llama, or mla (`draft.architecture`)."""
     n_layers = target["num_hidden_layers"]
     ids = default_layer_ids(n_layers)
     layout = ShardLayout([], ids, n_layers, [i for i in ids if i != n_layers])
-    cfg = DraftConfig.for_target(target, draft_vocab, len(layout.aux_ids))
+    cfg = DraftConfig.for_target(target, draft_vocab, len(layout.aux_ids), decoder=decoder)
     train = TrainConfig()
     torch.manual_seed(0)
     with torch.device(device):
@@ -305,11 +328,12 @@ def synthetic_batch(target: dict, n_tokens: int, layout: ShardLayout, steps: int
 
 def run_draft(args, device: torch.device) -> list[dict]:
     """(b) draft-training step time, tokens/s and peak memory against the plan."""
-    cases = SMALL_DRAFT_CASES if args.small else DRAFT_CASES
+    cases = [(*c, "llama") for c in (SMALL_DRAFT_CASES if args.small else DRAFT_CASES)]
+    cases += [(*c, "mla") for c in (SMALL_MLA_DRAFT_CASES if args.small else MLA_DRAFT_CASES)]
     draft_vocab = 256 if args.small else 32000
     rows = []
-    for name, target, token_counts in cases:
-        rig = draft_rig(target, draft_vocab, device)
+    for name, target, token_counts, decoder in cases:
+        rig = draft_rig(target, draft_vocab, device, decoder)
         cfg, steps = rig.cfg, rig.train.ttt_steps
         for n_tokens in token_counts:
             size = (

@@ -5,6 +5,7 @@ holds its output; regenerate it with
 
     python benchmarks/memory_plan_table.py > /tmp/table.md
     python benchmarks/memory_plan_table.py --target-config /models/X/config.json --ranks 16
+    python benchmarks/memory_plan_table.py --architecture mla   # the MLA draft's table
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from eagleflow.draft.model import draft_config_for  # noqa: E402
 from eagleflow.train.memory_plan import GB, Workload, plan_memory  # noqa: E402
 
 # Kimi-K2.5's text model as its config.json publishes it (`text_config`), the fields a draft
-# is sized from.
+# is sized from (its MLA shape for `draft.architecture: mla`; the rope does not change memory).
 KIMI_K25 = {
     "text_config": {
         "hidden_size": 7168,
@@ -31,6 +32,11 @@ KIMI_K25 = {
         "rms_norm_eps": 1e-6,
         "rope_theta": 50000.0,
         "max_position_embeddings": 262144,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
     }
 }
 # Memory as torch.cuda reports it (GiB): H100 SXM 80 GB, H200 141 GB.
@@ -49,7 +55,9 @@ def table_row(labels: list, cells: list[int], plans: list) -> str:
     return "| " + " | ".join(values) + " |"
 
 
-def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> str:
+def table(
+    target_config: dict, ranks: int, draft_vocab: int, num_aux: int, decoder: str = "llama"
+) -> str:
     """One row per (sequence, TTT steps, checkpointing): GiB per device by part, and whether
     it fits each of `DEVICES` (the parts do not depend on the device)."""
     fits = " | ".join(f"fits {name}" for name in DEVICES)
@@ -62,7 +70,11 @@ def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> st
         for steps in (3, 7):
             for ckpt in (False, True):
                 cfg = draft_config_for(
-                    target_config, draft_vocab, num_aux, activation_checkpointing=ckpt
+                    target_config,
+                    draft_vocab,
+                    num_aux,
+                    activation_checkpointing=ckpt,
+                    decoder=decoder,
                 )
                 plans = device_plans(cfg, Workload(tokens, steps, ranks))
                 plan = plans[0]
@@ -71,7 +83,8 @@ def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> st
                 cells += [plan.loss, plan.total]
                 labels = [f"{tokens // 1024}k", steps, "on" if ckpt else "off"]
                 rows.append(table_row(labels, cells, plans))
-    first = plan_memory(draft_config_for(target_config, draft_vocab, num_aux), Workload(1, 1))
+    first_cfg = draft_config_for(target_config, draft_vocab, num_aux, decoder=decoder)
+    first = plan_memory(first_cfg, Workload(1, 1))
     head = (
         f"{first.trainable_params:,} trainable parameters, {ranks} ranks (FSDP), bf16 autocast, "
         "flex attention; GiB per device; fits: the total is at most 90% of the device's memory "
@@ -80,10 +93,14 @@ def table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> st
     return head + "\n\n" + "\n".join(rows)
 
 
-def split_table(target_config: dict, ranks: int, draft_vocab: int, num_aux: int) -> str:
+def split_table(
+    target_config: dict, ranks: int, draft_vocab: int, num_aux: int, decoder: str = "llama"
+) -> str:
     """Long packs split over ranks (`draft.sequence_parallel`), at TTT 7 with checkpointing:
     tokens per device, activations, loss and total GiB, and whether each device fits."""
-    cfg = draft_config_for(target_config, draft_vocab, num_aux, activation_checkpointing=True)
+    cfg = draft_config_for(
+        target_config, draft_vocab, num_aux, activation_checkpointing=True, decoder=decoder
+    )
     fits = " | ".join(f"fits {name}" for name in DEVICES)
     rows = [
         f"| pack | sequence_parallel | tokens per device | activations | loss | total | {fits} |",
@@ -107,11 +124,13 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--num-aux", type=int, default=3)
+    p.add_argument("--architecture", choices=("llama", "mla"), default="llama")
     args = p.parse_args(argv)
     config = json.loads(Path(args.target_config).read_text()) if args.target_config else KIMI_K25
-    print(table(config, args.ranks, args.draft_vocab, args.num_aux))
+    sizes = (config, args.ranks, args.draft_vocab, args.num_aux, args.architecture)
+    print(table(*sizes))
     print("\nSequence splitting, TTT 7, activation checkpointing on:\n")
-    print(split_table(config, args.ranks, args.draft_vocab, args.num_aux))
+    print(split_table(*sizes))
 
 
 if __name__ == "__main__":

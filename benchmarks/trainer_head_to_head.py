@@ -109,6 +109,16 @@ from eagleflow.target.head import read_target_config  # noqa: E402
 from eagleflow.train.data import PackDataset, read_layout, sample_table, shard_paths  # noqa: E402
 
 ARMS = ("ours", "speculators")
+# The DraftConfig overrides of an MLA draft, which the speculators arm cannot train.
+MLA_KEYS = (
+    "decoder",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling",
+)
 EMBEDDED_TARGET = "resources/targets/tiny-deepseek-v3-trained"  # a finished run's files
 EMBEDDED_SHARDS = "results/hidden/*/*.safetensors"
 EMBEDDED_VOCAB = "results/draft/*/vocab.safetensors"
@@ -545,9 +555,16 @@ def main(argv=None):
             f"in {conv.root} ({time.time() - t0:.0f} s)"
         )
         vocab = load_vocab(vocab_path)
-        # our trainer's draft (`build_draft`): the target's shape and the DraftConfig overrides
+        # our trainer's draft (`build_draft`): the target's shape and the DraftConfig overrides;
+        # always a Llama layer: speculators 0.9 trains Llama and Qwen3 drafts only
+        llama = {k: v for k, v in overrides.items() if k not in MLA_KEYS}
+        if llama != overrides:
+            print(
+                "speculators arm: a llama draft (speculators 0.9 has no MLA draft); ours: "
+                "the MLA draft of draft.architecture: mla"
+            )
         draft = DraftConfig.for_target(
-            read_target_config(target), vocab.size, len(conv.aux_ids), **overrides
+            read_target_config(target), vocab.size, len(conv.aux_ids), **llama
         )
 
     results = {}

@@ -126,6 +126,7 @@ LONGEST_FIRST = (
     "test_caching.py",
     "test_multinode.py",
     "test_regenerate.py",
+    "test_mla_draft.py",  # 273 s alone (-n 0), two in-process trainer runs and vLLM's module
 )
 
 

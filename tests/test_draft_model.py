@@ -32,10 +32,45 @@ SHAPE = dict(
     draft_vocab_size=DV,
     num_aux=3,
 )
+# An MLA draft (vLLM's Eagle3DeepseekV2ForCausalLM layer): q.k over nope + rope = 16 dims,
+# v of 12, DeepSeek's YaRN (its softmax mscale and cos/sin magnitude both away from 1).
+MLA_SHAPE = dict(
+    SHAPE,
+    num_key_value_heads=4,
+    decoder="mla",
+    q_lora_rank=24,
+    kv_lora_rank=20,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=64,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.7,
+    ),
+)
+MLA_PARAMETERS = {
+    "fc.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    *(
+        f"layers.0.self_attn.{name}.weight"
+        for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa")
+        + ("kv_a_layernorm", "kv_b_proj", "o_proj")
+    ),
+    *(f"layers.0.mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
+    "norm.weight",
+    "lm_head.weight",
+}
 
 
-def draft(attention="flex", checkpointing=False, dtype=torch.float64, seed=0):
-    cfg = DraftConfig(**SHAPE, attention=attention, activation_checkpointing=checkpointing)
+def draft(attention="flex", checkpointing=False, dtype=torch.float64, seed=0, shape=SHAPE):
+    cfg = DraftConfig(**shape, attention=attention, activation_checkpointing=checkpointing)
     torch.manual_seed(seed)
     m = Eagle3Draft(cfg)
     g = torch.Generator().manual_seed(seed + 1)
@@ -82,8 +117,23 @@ def test_flex_equals_eager_forward_and_gradients():
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-8, atol=1e-10)
 
 
-def test_each_sample_of_a_pack_equals_that_sample_alone_at_every_step():
-    m = draft("flex")
+def test_mla_flex_equals_eager_forward_and_gradients():
+    """The MLA draft: the blockwise kernel (flex on CPU) equals the dense reference in the
+    logits of every step and in the gradient of every parameter (q.k over 16 dims, v 12)."""
+    batch = pack(LENGTHS)
+    ref_logits, ref_grads = loss_and_grads(draft("eager", shape=MLA_SHAPE), batch)
+    logits, grads = loss_and_grads(draft("flex", shape=MLA_SHAPE), batch)
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    assert grads.keys() == ref_grads.keys() == MLA_PARAMETERS
+    for name in grads:
+        assert grads[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [SHAPE, MLA_SHAPE], ids=["llama", "mla"])
+def test_each_sample_of_a_pack_equals_that_sample_alone_at_every_step(shape):
+    m = draft("flex", shape=shape)
     aux, tokens, positions, doc = pack(LENGTHS)
     with torch.no_grad():
         packed = m(aux, tokens, positions, doc, STEPS)
@@ -96,16 +146,16 @@ def test_each_sample_of_a_pack_equals_that_sample_alone_at_every_step():
             s += n_i
 
 
-def _qkv(n, seed=3):
+def _qkv(n, seed=3, kv_heads=2, dv=16):
+    """q [4, n, 16]; per step (k [kv_heads, n, 16], v [kv_heads, n, dv]): GQA by default,
+    MLA's shape with kv_heads=4 (one k and v per head) and dv != 16."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(4, n, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    keys = [
-        tuple(
-            torch.randn(2, n, 16, generator=g, dtype=torch.float64, requires_grad=True)
-            for _ in range(2)
-        )
-        for _ in range(STEPS)
-    ]
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    q = leaf(4, n, 16)
+    keys = [(leaf(kv_heads, n, 16), leaf(kv_heads, n, dv)) for _ in range(STEPS)]
     return q, keys
 
 
@@ -116,14 +166,21 @@ def _attend_grads(q, keys, mask):
     return out, torch.autograd.grad((out * w).sum(), leaves)
 
 
+KV_SHAPES = pytest.mark.parametrize(
+    "kv_heads,dv", [(2, 16), (4, 12)], ids=["gqa", "mla-v-narrower"]
+)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_kernel_with_the_pack_block_mask_equals_eager(monkeypatch):
+@KV_SHAPES
+def test_flex_attention_kernel_with_the_pack_block_mask_equals_eager(monkeypatch, kv_heads, dv):
     """The CUDA path's maths on CPU: flex_attention with the pack's BlockMask returning its
     log-sum-exp, merged with the diagonal keys; forward, and gradients through the lse (the
-    CPU device check is lifted so flex runs its eager backward)."""
+    CPU device check is lifted so flex runs its eager backward). GQA, and MLA's v narrower
+    than q.k."""
     aux, tokens, positions, doc = pack(LENGTHS)
     n = doc.numel()
-    q, keys = _qkv(n)
+    q, keys = _qkv(n, kv_heads=kv_heads, dv=dv)
     flex, dense = pack_mask(doc, "flex"), pack_mask(doc, "dense")
     q0, keys0 = q.detach(), [(k.detach(), v.detach()) for k, v in keys]  # no backward: allowed
     torch.testing.assert_close(
@@ -204,12 +261,13 @@ def test_flex_never_holds_an_n_by_n_tensor_where_eager_does(lengths):
     assert saved["flex"] * 10 < saved["eager"]
 
 
+@pytest.mark.parametrize("shape", [SHAPE, MLA_SHAPE], ids=["llama", "mla"])
 @pytest.mark.parametrize("attention", ["flex", "eager"])
-def test_activation_checkpointing_gives_equal_gradients_and_saves_less(attention):
+def test_activation_checkpointing_gives_equal_gradients_and_saves_less(attention, shape):
     batch = pack([200, 57])
     grads, saved = {}, {}
     for ckpt in (False, True):
-        m = draft(attention, checkpointing=ckpt)
+        m = draft(attention, checkpointing=ckpt, shape=shape)
         saved[ckpt], logits = saved_bytes(lambda: m(*batch, STEPS))
         loss = sum((lg * lg).sum() for lg in logits)
         m.zero_grad()
@@ -262,15 +320,18 @@ def test_draft_config_new_fields_have_defaults_and_are_not_architecture():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@KV_SHAPES
 @pytest.mark.parametrize("kernel", ["dense", "blockwise", "flex"])
-def test_a_slice_of_the_queries_equals_those_rows_of_the_whole_pack(kernel, monkeypatch):
+def test_a_slice_of_the_queries_equals_those_rows_of_the_whole_pack(
+    kernel, monkeypatch, kv_heads, dv
+):
     """Sequence splitting's attention: queries [offset, offset + n) against the pack's
     step-0 keys and their own diagonal keys give the whole pack's rows there, and the
     same gradients (the CPU device check lifted so flex runs its eager backward)."""
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     doc = pack(LENGTHS)[3]
     n_all = doc.numel()  # 600: slices of 256 (the last one short)
-    q, keys = _qkv(n_all)
+    q, keys = _qkv(n_all, kv_heads=kv_heads, dv=dv)
     ref_out, ref_grads = _attend_grads(q, keys, pack_mask(doc, "dense"))
     for offset in (0, 256, 512):
         n = min(256, n_all - offset)

@@ -486,6 +486,7 @@ def fake_report(tmp_path):
         "seed": 0,
         "target": "resources/targets/t",
         "draft": "results/draft/abc/export",
+        "draft_architecture": "mla",
         "given_draft": "/downloads/kimi-eagle3",
         "engine": "vLLM 0.32.0 (cpu)",
         "engine_loads": 4,
@@ -499,6 +500,7 @@ def test_the_table_is_set_by_k_with_engine_temperature_target_and_both_drafts(tm
     assert "| target | `resources/targets/t` |" in md
     assert "| draft | `results/draft/abc/export` (this run's export) |" in md
     assert "| draft (evaluate.draft) | `/downloads/kimi-eagle3` |" in md
+    assert "| draft architecture | mla (vLLM's Eagle3DeepseekV2ForCausalLM) |" in md
     assert "| temperature | 0 (greedy) |" in md and "| engine | vLLM 0.32.0 (cpu) |" in md
     assert "| engine | k | temperature | heldout | mt_bench |" in md
     assert "| vLLM eagle3 | 1 | 0 (greedy) | 1.50 | 1.75 |" in md
@@ -576,11 +578,15 @@ def test_evaluate_measures_every_set_at_every_k_and_writes_json_table_and_plot(
         },
     }
     out = [tmp_path / n for n in ("acceptance.json", "acceptance.png", "acceptance.md")]
+    monkeypatch.chdir(tmp_path)  # "export": this run's export, a Llama draft's config
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"architectures": ["Eagle3DraftModel"]}')
     report = acc.evaluate(
         EngineSettings(target="t"), "export", data, EvalSettings.from_config(config), out,
         tmp_path / "work", log=lambda line: None,
     )  # fmt: skip
     held = report["sets"]["heldout"]
+    assert report["draft_architecture"] == "llama"
     assert report["sets"]["mt_bench"]["format"] == "mt_bench"
     assert held["prompts"] == 4 and report["sets"]["mt_bench"]["categories"] == {
         "writing": 2,

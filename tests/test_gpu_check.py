@@ -28,7 +28,9 @@ def test_gpu_check_smoke_mode_on_cpu(capsys, tmp_path):
     assert len(reference_rows) == 4 and all(", ok |" in line for line in reference_rows), out
     assert "| reference forward (fp32, all layers) |" in out
     draft_rows = [line for line in out.splitlines() if line.startswith("| draft training |")]
-    assert len(draft_rows) == 1 and "tok/s" in draft_rows[0] and "ms/step" in draft_rows[0], out
+    assert len(draft_rows) == 2, out  # the llama draft and the MLA draft
+    assert all("tok/s" in row and "ms/step" in row for row in draft_rows), out
+    assert "small mla" in draft_rows[1], out
     host_rows = [line for line in out.splitlines() if line.startswith("| states to host")]
     assert len(host_rows) == 2 and all("MiB" in line for line in host_rows), out
     assert "bf16" in host_rows[0] and "fp8" in host_rows[1]
@@ -56,6 +58,26 @@ def test_gpu_check_draft_rig_at_kimi_shape_on_meta():
         assert plan.workload == g.Workload(n_tokens, 3, 1, "cuda")
         assert plan.trainable_params == rig.trainable
         assert 20 * g.GB < plan.total < 0.9 * 79 * g.GB  # fits an H100 without checkpointing
+
+
+def test_gpu_check_mla_draft_rig_at_kimi_shape_on_meta():
+    """The MLA draft's training step at Kimi-K2.5's shape (64 heads, q_lora 1536, kv_lora 512,
+    q.k over 128 + 64, v 128), on the meta device, and the plan its peak is compared with."""
+    g = load_gpu_check()
+    assert ("kimi-k2.5 mla", g.KIMI_K25_MLA_TEXT, (4096,)) in g.MLA_DRAFT_CASES
+    rig = g.draft_rig(g.KIMI_K25_MLA_TEXT, 32000, torch.device("meta"), "mla")
+    cfg = rig.cfg
+    assert (cfg.decoder, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (
+        "mla",
+        64,
+        1536,
+        512,
+    )
+    assert (cfg.head_dim, cfg.v_head_dim) == (192, 128)
+    assert type(rig.model.layers[0].self_attn).__name__ == "MLAAttention"
+    plan = rig.plan(4096)
+    assert plan.trainable_params == rig.trainable == 896_169_984
+    assert 20 * g.GB < plan.total < 0.9 * 79 * g.GB  # fits an H100 without checkpointing
 
 
 def test_gpu_check_draft_rig_steps_at_a_tiny_shape_on_cpu():

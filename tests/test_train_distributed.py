@@ -27,7 +27,7 @@ from eagleflow.store.quant import FP8
 from eagleflow.train.data import PackPlan, RankSampler, read_layout, sample_table
 from eagleflow.train.trainer import train
 from support import split_pack
-from support.draft_fixtures import TINY_DRAFT, L, V, write_shard, write_target
+from support.draft_fixtures import TINY_DRAFT, TINY_MLA_DRAFT, L, V, write_shard, write_target
 
 REPO = Path(__file__).resolve().parents[1]
 # Each test takes seconds to a minute; a hung rank fails its test long before the suite's limit.
@@ -55,14 +55,14 @@ def data(tmp_path):
     return target, shards, vocab
 
 
-def run_here(data, out, stop_after=None, **changes):
+def run_here(data, out, stop_after=None, draft=TINY_DRAFT, **changes):
     """One rank, in this process (no process group: the plain model)."""
     target, shards, vocab = data
     cfg = TrainConfig(**{**CONFIG, **changes})
-    return train(shards, target, vocab, out, cfg, TINY_DRAFT, stop_after=stop_after)
+    return train(shards, target, vocab, out, cfg, draft, stop_after=stop_after)
 
 
-def torchrun_command(data, out, nproc, stop_after=None, **changes):
+def torchrun_command(data, out, nproc, stop_after=None, draft=TINY_DRAFT, **changes):
     """`torchrun --nproc_per_node N -m eagleflow.train.cli ...`; N = 0: the CLI alone."""
     target, shards, _ = data
     cmd = [sys.executable, "-m", "eagleflow.train.cli"]
@@ -70,7 +70,7 @@ def torchrun_command(data, out, nproc, stop_after=None, **changes):
         cmd[2:2] = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
     cmd += ["--shards", *map(str, shards), "--target", str(target)]
     cmd += ["--vocab", str(Path(target).parent / "vocab.safetensors"), "--out", str(out)]
-    cmd += ["--config", json.dumps({**CONFIG, **changes}), "--draft", json.dumps(TINY_DRAFT)]
+    cmd += ["--config", json.dumps({**CONFIG, **changes}), "--draft", json.dumps(draft)]
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
     return cmd
@@ -79,9 +79,9 @@ def torchrun_command(data, out, nproc, stop_after=None, **changes):
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "workflow"))
 
 
-def torchrun(data, out, nproc, stop_after=None, **changes):
+def torchrun(data, out, nproc, stop_after=None, draft=TINY_DRAFT, **changes):
     proc = subprocess.run(
-        torchrun_command(data, out, nproc, stop_after, **changes),
+        torchrun_command(data, out, nproc, stop_after, draft, **changes),
         env=ENV,
         capture_output=True,
         text=True,
@@ -143,28 +143,48 @@ def test_two_ranks_take_the_steps_of_one_rank_with_the_same_global_batch(data, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention,checkpointing", [("flex", "0"), ("flex", "1"), ("eager", "0")])
+@pytest.mark.parametrize(
+    "attention,checkpointing,decoder",
+    [("flex", "0", "llama"), ("flex", "1", "llama"), ("eager", "0", "llama"), ("flex", "1", "mla")],
+)
 def test_a_pack_split_over_two_ranks_gives_the_whole_packs_loss_and_gradients(
-    tmp_path, attention, checkpointing
+    tmp_path, attention, checkpointing, decoder
 ):
     """Sequence splitting (gloo): each rank trains half of a 600-token pack (slices of 256
     anchors, the last padded), gathering the step-0 keys; the slices' losses, logits and
     gradients add up to the whole pack's in one process (float64; with activation
-    checkpointing the gather runs again in backward)."""
+    checkpointing the gather runs again in backward). The Llama draft, and the MLA draft
+    (its per-head k and v of other widths gathered)."""
     out = tmp_path / "split.pt"
     script = REPO / "tests" / "support" / "split_pack.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    cmd += ["2", str(script), str(out), attention, checkpointing]
+    cmd += ["2", str(script), str(out), attention, checkpointing, decoder]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     split = torch.load(out)
-    loss, logits, grads = split_pack.pack_loss(attention, checkpointing == "1")
+    loss, logits, grads = split_pack.pack_loss(attention, checkpointing == "1", decoder=decoder)
     torch.testing.assert_close(split["loss"], loss, rtol=1e-10, atol=0)
     for a, b in zip(split["logits"], logits):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     assert split["grads"].keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(split["grads"][name], grad, rtol=1e-8, atol=1e-11, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_mla_draft_as_one_rank(data, tmp_path):
+    """The MLA draft under FSDP (2 ranks x 1 pack, gloo) takes the steps of one rank
+    accumulating 2 packs: the same losses and the same draft."""
+    one = run_here(data, tmp_path / "one", draft=TINY_MLA_DRAFT)
+    torchrun(data, tmp_path / "two", 2, draft=TINY_MLA_DRAFT)
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["parallelism"] == "fsdp (gloo)"
+    assert len(losses(tmp_path / "one")) == one["steps"] == 6
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=0
+    )
+    assert_same_draft(tmp_path / "one", tmp_path / "two")
+    assert load_trained(tmp_path / "two")[0].cfg.decoder == "mla"
 
 
 @pytest.mark.slow

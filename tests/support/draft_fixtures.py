@@ -34,6 +34,18 @@ SPECULATORS_NAMES = {
 }
 
 TINY_DRAFT = dict(intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+# The MLA draft (`draft.architecture: mla`) over the tiny target, which has no MLA: every shape
+# key given. q.k over 8 + 8 dims, v 12.
+TINY_MLA_DRAFT = dict(
+    decoder="mla",
+    intermediate_size=48,
+    num_attention_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=24,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
 
 
 def write_target(d: Path, seed=0) -> Path:

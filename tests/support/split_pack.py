@@ -1,6 +1,6 @@
 """One pack's TTT loss, logits and gradients, with the pack whole (`pack_loss(parts=1)`) or
 split over the ranks of a torchrun group (`python -m torch.distributed.run ... this file OUT
-ATTENTION CHECKPOINTING`: rank 0 saves the slices' logits, the summed loss and the summed
+ATTENTION CHECKPOINTING [DECODER]`: rank 0 saves the slices' logits, the summed loss and the summed
 gradients to OUT). Everything runs through the trainer's own code: `build_batch` slices the
 pack, `ttt_loss` divides by the pack's token counts, the draft gathers its step-0 keys."""
 
@@ -19,7 +19,20 @@ LENGTHS = [150, 40, 1, 109, 300]  # 600 tokens: across slice and block boundarie
 LAYOUT = ShardLayout(paths=[], layer_ids=[1, 2, 3], final_id=3, aux_ids=[1, 2])
 
 
-def pack_loss(attention: str, checkpointing: bool, part=0, parts=1, split=None):
+# The MLA draft's shape: per-head k of 8 + 4 dims, v of 6 (`decoder="mla"`).
+MLA = dict(
+    decoder="mla",
+    num_key_value_heads=4,
+    head_dim=12,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+)
+
+
+def pack_loss(attention: str, checkpointing: bool, part=0, parts=1, split=None, decoder="llama"):
     """(loss, [logits per step], {name: grad}) of this slice; float64 throughout."""
     g = torch.Generator().manual_seed(0)
     n = sum(LENGTHS)
@@ -28,12 +41,12 @@ def pack_loss(attention: str, checkpointing: bool, part=0, parts=1, split=None):
     hidden = torch.randn(n, 3, H, generator=g, dtype=torch.float64)
     head = torch.randn(H, V, generator=g, dtype=torch.float64)
     starts = torch.tensor([0, *LENGTHS[:-1]]).cumsum(0).tolist()
+    shape = MLA if decoder == "mla" else dict(num_key_value_heads=2, head_dim=8)
     cfg = DraftConfig(
+        **shape,
         hidden_size=H,
         intermediate_size=48,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         vocab_size=V,
         draft_vocab_size=V,
         num_aux=2,
@@ -55,11 +68,11 @@ def pack_loss(attention: str, checkpointing: bool, part=0, parts=1, split=None):
     return loss.detach(), [x.detach() for x in logits], grads
 
 
-def main(out: str, attention: str, checkpointing: str):
+def main(out: str, attention: str, checkpointing: str, decoder: str = "llama"):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     split = split_groups(world, world, rank)
-    loss, logits, grads = pack_loss(attention, checkpointing == "1", rank, world, split)
+    loss, logits, grads = pack_loss(attention, checkpointing == "1", rank, world, split, decoder)
     dist.all_reduce(loss)
     for grad in grads.values():
         dist.all_reduce(grad)

@@ -26,6 +26,7 @@ from eagleflow.extract.fingerprint import config_fingerprint
 from eagleflow.evaluate.sets import HELDOUT as HELDOUT_SET, set_files, sets_from_config
 from eagleflow.plan.settings import DraftSettings
 from eagleflow.target.layers import resolve_layer_ids
+from eagleflow.plan.settings import SettingsError, check_architecture
 from eagleflow.target.checks import check_target_code, check_target_path
 from eagleflow.target.info import TOKENIZER_FILES, TargetError, read_target
 from eagleflow.embedded.tiny_target import TINY_TARGET_FILES, TINY_TOKENIZER_FILES
@@ -79,6 +80,11 @@ try:
         built_with_code=[TINY_KIMI_TARGET],
     )
 except TargetError as e:
+    raise WorkflowError(str(e))
+# draft.architecture and its shape keys, and the evaluation engine an MLA draft needs.
+try:
+    check_architecture(config)
+except SettingsError as e:
     raise WorkflowError(str(e))
 
 # The `draft:` section, typed once (eagleflow.plan.settings): every draft rule, resource

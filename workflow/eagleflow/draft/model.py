@@ -14,6 +14,11 @@ Parameter names are the speculators checkpoint names (`embed_tokens.weight`, `fc
 prefixes `model.` to all but `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips
 `t2d`, and stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`.
 
+The MLA draft (`decoder="mla"`, `draft.architecture: mla`) is the same draft with the
+attention of vLLM's `Eagle3DeepseekV2ForCausalLM` (`deepseek_eagle3.py`): `MLAAttention`,
+named `layers.0.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,
+kv_a_layernorm,kv_b_proj,o_proj}`, its maths and conventions in `eagleflow.draft.mla`.
+
 `embed_tokens.weight` is a frozen bf16 copy of the target's embedding (as the target stores
 it). It is a non-persistent buffer: no gradient, no optimizer state, not sharded by FSDP, not
 in `state_dict()` (a checkpoint reads it again from the target). `export_state_dict()` adds it
@@ -54,7 +59,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from eagleflow.draft import mla
+
 ATTENTION = ("flex", "eager")
+ARCHITECTURES = ("llama", "mla")  # the decoder layer's attention: GQA, or MLA (`mla.py`)
 LATER_OPTIONS = ("fc_norm", "norm_output")  # architecture added after checkpoints existed
 BLOCK = 128  # query/key block of the flex BlockMask and of the blockwise CPU kernel
 FROZEN_DTYPE = torch.bfloat16  # the target's embedding, as the target stores it
@@ -78,6 +86,16 @@ class DraftConfig:
     # before fc, and the next TTT step fed the final-normed hidden state
     fc_norm: bool = False
     norm_output: bool = False
+    # "mla": the layer of vLLM's Eagle3DeepseekV2ForCausalLM (`eagleflow.draft.mla`), with
+    # num_key_value_heads = heads and head_dim = nope + rope (k after kv_b_proj); "llama"
+    # leaves the MLA keys None
+    decoder: str = "llama"  # `draft.architecture`
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_scaling: dict | None = None  # MLA: DeepSeek YaRN keys (`mla.YARN_KEYS`), None: plain
     # How the forward is computed, not what it computes (`architecture()` leaves them out):
     attention: str = "flex"  # "flex" (no [N, N] tensor) or "eager" (dense, the reference)
     activation_checkpointing: bool = False  # recompute the decoder layer per TTT step
@@ -85,10 +103,41 @@ class DraftConfig:
     def __post_init__(self):
         if self.attention not in ATTENTION:
             raise ValueError(f"attention {self.attention!r}: one of {', '.join(ATTENTION)}")
+        if self.decoder not in ARCHITECTURES:
+            raise ValueError(
+                f"draft architecture {self.decoder!r}: one of {', '.join(ARCHITECTURES)}"
+            )
+        shape = {k: getattr(self, k) for k in mla.MLA_SHAPE_KEYS}
+        if self.decoder == "llama":
+            given = [k for k, v in shape.items() if v is not None]
+            if given or self.rope_scaling is not None:
+                raise ValueError(f"a llama draft has no MLA shape, but {given} are set")
+            return
+        missing = [k for k, v in shape.items() if not isinstance(v, int) or v <= 0]
+        if missing:
+            raise ValueError(f"an MLA draft needs a positive {missing[0]} (got {shape})")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if (self.num_key_value_heads, self.head_dim) != (self.num_attention_heads, qk):
+            raise ValueError(
+                f"an MLA draft has num_key_value_heads = num_attention_heads and head_dim = "
+                f"qk_nope_head_dim + qk_rope_head_dim ({self.num_attention_heads}, {qk}), not "
+                f"({self.num_key_value_heads}, {self.head_dim})"
+            )
+
+    def rope(self) -> dict:
+        """An MLA draft's rope, as `mla.deepseek_rotary` reads it."""
+        return {
+            "rope_type": "default",
+            **(self.rope_scaling or {}),
+            "rope_theta": self.rope_theta,
+        }
 
     @classmethod
     def for_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
-        """A draft sized after the target: its hidden size, heads of 64 (128 from H >= 2048)."""
+        """A draft sized after the target: its hidden size, heads of 64 (128 from H >= 2048);
+        with `decoder="mla"`, the target's heads and MLA shape (`mla_shape_of`)."""
+        if overrides.get("decoder") == "mla":
+            overrides = {**mla_shape_of(target_config, overrides), **overrides}
         hidden = int(target_config["hidden_size"])
         head_dim = 128 if hidden >= 2048 else 64
         heads = max(1, hidden // head_dim)
@@ -116,10 +165,46 @@ class DraftConfig:
         """The fields that decide what the weights mean (what a resume must match)."""
         d = self.to_dict()
         del d["attention"], d["activation_checkpointing"]
+        if self.decoder == "llama":  # as a llama draft's checkpoint before MLA existed
+            for key in ("decoder", *mla.MLA_SHAPE_KEYS, "rope_scaling"):
+                del d[key]
         for key in LATER_OPTIONS:  # off: the draft of a checkpoint written before them
             if not d[key]:
                 del d[key]
         return d
+
+
+def mla_shape_of(target_config: dict, overrides: dict) -> dict:
+    """The MLA draft's shape defaults: the target's heads, MLA dims and rope (its YaRN keys)
+    where `overrides` does not set them. A target without MLA gives none: then every shape
+    key must be set, or this refuses in one sentence naming the first one missing."""
+    has_mla = "kv_lora_rank" in target_config
+    missing = [k for k in mla.MLA_SHAPE_KEYS if overrides.get(k) is None]
+    if not has_mla and missing:
+        raise ValueError(
+            f"draft.architecture mla on a target without MLA (no kv_lora_rank in its "
+            f"config) needs every MLA shape key, and draft.{missing[0]} is not set"
+        )
+    if has_mla and "q_lora_rank" in missing and not target_config.get("q_lora_rank"):
+        raise ValueError(
+            "draft.architecture mla: the target has no q_lora_rank and vLLM 0.32's MLA draft "
+            "needs one (it fuses q_a_proj with kv_a_proj_with_mqa): set draft.q_lora_rank"
+        )
+    values = {k: int(target_config[k]) for k in missing}
+    heads = int(overrides.get("num_attention_heads") or target_config["num_attention_heads"])
+    rope = mla.rope_parameters_of(target_config)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if not has_mla:  # no target convention to follow: plain rope at its theta
+        scaling = {"rope_type": "default"}
+    return {
+        **values,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": int(overrides.get("qk_nope_head_dim") or values["qk_nope_head_dim"])
+        + int(overrides.get("qk_rope_head_dim") or values["qk_rope_head_dim"]),
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if scaling["rope_type"] == "default" else scaling,
+    }
 
 
 def draft_config_for(target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
@@ -299,7 +384,7 @@ def _flex_prefix(q, k, v, mask: PackMask, scale: float):
 def _prefix_block(q, k, v, segment, s: int, e: int, ks: int, offset: int, scale: float):
     """Local queries s..e-1 (pack anchors offset+s..offset+e-1) against keys ks..offset+e-1
     (ks: the first query's sample start)."""
-    kvh, d = k.shape[0], q.shape[-1]
+    kvh, d, dv = k.shape[0], q.shape[-1], v.shape[-1]  # dv: MLA's v is narrower than q.k
     ke = offset + e
     qb = q[:, s:e].reshape(kvh, -1, e - s, d)  # (kv_heads, rep, b, d)
     scores = _f32(qb @ k[:, None, ks:ke].transpose(-1, -2)) * scale  # (kv, rep, b, L)
@@ -309,7 +394,7 @@ def _prefix_block(q, k, v, segment, s: int, e: int, ks: int, offset: int, scale:
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v[:, None, ks:ke]
-    return out.reshape(q.shape[0], e - s, d), lse.reshape(q.shape[0], e - s)
+    return out.reshape(q.shape[0], e - s, dv), lse.reshape(q.shape[0], e - s)
 
 
 def _blockwise_prefix(q, k, v, mask: PackMask, scale: float):
@@ -348,7 +433,8 @@ def _dense(q, keys, mask: PackMask, scale: float):
 def attend(q, keys, mask: PackMask, scale: float):
     """q [heads, n, d] (the queries of `mask`); keys [(k, v)]: keys[0] [kv_heads, N, d] the
     pack's step-0 keys, seen through `mask`; keys[1:] [kv_heads, n, d] on the diagonal
-    (anchor t sees only its own entry). Returns [heads, n, d]."""
+    (anchor t sees only its own entry); each v [kv_heads, *, dv] (MLA: dv != d). Returns
+    [heads, n, dv]."""
     if mask.kernel == "dense":
         return _dense(q, keys, mask, scale)
     prefix = _flex_prefix if mask.kernel == "flex" else _blockwise_prefix
@@ -356,13 +442,14 @@ def attend(q, keys, mask: PackMask, scale: float):
     if len(keys) == 1:
         return out
     kvh, n, d = keys[-1][0].shape
+    dv = keys[-1][1].shape[-1]
     qg = q.view(kvh, -1, n, d)  # (kv_heads, rep, N, d): GQA without repeating k/v
     diag = [(_f32((qg * k[:, None]).sum(-1)) * scale).view(-1, n) for k, _ in keys[1:]]
     total = torch.logsumexp(torch.stack([lse0, *diag]), dim=0)  # [heads, N]
     merged = torch.exp(lse0 - total)[..., None] * out
     for s, (_, v) in zip(diag, keys[1:]):
         w = torch.exp(s - total).view(kvh, -1, n, 1)
-        merged = merged + (w * v[:, None]).view(-1, n, d)
+        merged = merged + (w * v[:, None]).view(-1, n, dv)
     return merged.to(q.dtype)
 
 
@@ -382,6 +469,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.rope_theta = cfg.rope_theta
+
+    def rotary(self, positions):
+        return rotary(positions, self.head_dim, self.rope_theta)
 
     def forward(self, x, cos, sin, past: tuple, mask: PackMask, split=None):
         """x [n, 2H]; past: the (k, v) of earlier TTT steps, each [kv_heads, n, d] (step 0's:
@@ -398,6 +489,54 @@ class Attention(nn.Module):
             k, v = split.gather(k), split.gather(v)
         out = attend(q, (*past, (k, v)), mask, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim)), (k, v)
+
+
+class MLAAttention(nn.Module):
+    """vLLM's `DeepseekV2MLAAttention` on the 2H input (`eagleflow.draft.mla` has the maths
+    and the conventions), over the same kernels as `Attention`: k and v are expanded per head
+    from the latent (k [heads, N, nope + rope], v [heads, N, v_head_dim])."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.heads, self.nope, self.rope_dim = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+        )
+        self.v_dim, self.kv_lora = cfg.v_head_dim, cfg.kv_lora_rank
+        h2, eps = 2 * cfg.hidden_size, cfg.rms_norm_eps
+        qk = self.nope + self.rope_dim
+        self.q_a_proj = nn.Linear(h2, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h2, self.kv_lora + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.rope = cfg.rope()
+        self.scale = mla.softmax_scale(qk, self.rope)
+
+    def rotary(self, positions):
+        return mla.deepseek_rotary(positions, self.rope_dim, self.rope)
+
+    def forward(self, x, cos, sin, past: tuple, mask: PackMask, split=None):
+        """As `Attention.forward`; cos/sin rotate the rope dims only."""
+        n, h = x.shape[0], self.heads
+        x = autocast_once(x)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(n, h, -1).transpose(0, 1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(n, h, -1).transpose(0, 1)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)  # [heads, n, nope], [heads, n, v]
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], -1)
+        q_rope = mla.apply_interleaved(q_rope, cos, sin)
+        k_rope = mla.apply_interleaved(k_rope, cos, sin)[None].expand(h, n, self.rope_dim)
+        q = torch.cat([q_nope, q_rope], -1)  # [heads, n, nope + rope]
+        k = torch.cat([k_nope, k_rope.to(k_nope.dtype)], -1)
+        v = v.contiguous()
+        if split is not None and not past:  # step 0: the prefix keys of the whole pack
+            k, v = split.gather(k), split.gather(v)
+        out = attend(q, (*past, (k, v)), mask, self.scale)  # [heads, n, v]
+        return self.o_proj(out.transpose(0, 1).reshape(n, h * self.v_dim)), (k, v)
 
 
 class MLP(nn.Module):
@@ -417,7 +556,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.decoder == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
@@ -514,9 +653,10 @@ class Eagle3Draft(nn.Module):
         past: tuple = ()
         logits = []
         layer = self.layers[0]
+        rotary = layer.self_attn.rotary
         recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for k in range(steps):
-            cos, sin = rotary(positions + k, self.cfg.head_dim, self.cfg.rope_theta)
+            cos, sin = rotary(positions + k)
             embeds = self.embed_tokens(tokens[k]).to(hidden.dtype)
             args = (embeds, hidden, cos, sin, past, mask, split)
             if recompute:  # keep the layer's inputs, recompute the rest in backward

@@ -306,15 +306,31 @@ def reference_acceptance(
     return aggregate(records, k)
 
 
+def draft_architecture(export_dir) -> str:
+    """`draft.architecture` of an export, from the model its config.json names: "mla"
+    (Eagle3DeepseekV2ForCausalLM) or "llama" (speculators' Eagle3 with a llama layer)."""
+    from eagleflow.export import deepseek_eagle3
+
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return "mla" if cfg["architectures"] == [deepseek_eagle3.ARCHITECTURE] else "llama"
+
+
 def load_export(export_dir):
     """The exported draft as an `Eagle3Draft` (fp32), from config.json + model.safetensors."""
     from safetensors.torch import load_file
 
     from eagleflow.draft.model import DraftConfig, Eagle3Draft
+    from eagleflow.export import deepseek_eagle3
 
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    tl = cfg["transformer_layer_config"]
     weights = load_file(str(Path(export_dir) / "model.safetensors"))
+    if cfg["architectures"] == [deepseek_eagle3.ARCHITECTURE]:  # draft.architecture: mla
+        draft = Eagle3Draft(deepseek_eagle3.draft_config_of(cfg))
+        draft.load_state_dict(
+            {k: (v.float() if v.is_floating_point() else v) for k, v in weights.items()}
+        )
+        return draft.eval(), cfg
+    tl = cfg["transformer_layer_config"]
     dc = DraftConfig(
         hidden_size=tl["hidden_size"],
         intermediate_size=tl["intermediate_size"],
@@ -830,6 +846,7 @@ def evaluate(
         "seed": cfg.seed,
         "target": str(target_dir),
         "draft": str(export_dir),
+        "draft_architecture": draft_architecture(export_dir),
         "given_draft": cfg.given_draft,
         "engine": engine_description(engine),
         "engine_loads": engine_loads,

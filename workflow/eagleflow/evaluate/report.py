@@ -44,6 +44,13 @@ def _interval(r: dict) -> str:
     return f"[{iv['low']:.2f}, {iv['high']:.2f}]" if "low" in iv else "-"
 
 
+# What vLLM 0.32 serves each `draft.architecture` as.
+DRAFT_MODELS = {
+    "llama": "vLLM's Eagle3LlamaForCausalLM, speculators format",
+    "mla": "vLLM's Eagle3DeepseekV2ForCausalLM",
+}
+
+
 def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -76,6 +83,9 @@ def acceptance_markdown(report: dict) -> str:
     lines = ["# Acceptance length", "", "| | |", "|---|---|"]
     lines.append(_row(["target", f"`{report['target']}`"]))
     lines.append(_row(["draft", f"`{report['draft']}` (this run's export)"]))
+    if report.get("draft_architecture"):
+        served = DRAFT_MODELS[report["draft_architecture"]]
+        lines.append(_row(["draft architecture", f"{report['draft_architecture']} ({served})"]))
     if report.get("given_draft"):
         lines.append(_row(["draft (evaluate.draft)", f"`{report['given_draft']}`"]))
     lines.append(_row(["engine", report.get("engine", "vLLM")]))

@@ -12,7 +12,9 @@
 shard, which must agree) and must equal the ids the checkpoint was trained on; vLLM reads
 them from the top level of config.json without any shift (vLLM convention, as stored).
 vLLM 0.32 turns this config into `Eagle3LlamaForCausalLM` (`SpeculatorsConfig`,
-`speculators/algos.py: update_eagle3`).
+`speculators/algos.py: update_eagle3`). An MLA draft (`draft.architecture: mla`) is written
+in the layout of `eagleflow.export.deepseek_eagle3` instead, with the same weights' names
+and the same checks.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagleflow.draft.model import Eagle3Draft
+from eagleflow.export.deepseek_eagle3 import deepseek_eagle3_config
 from eagleflow.target.head import read_target_config
 from eagleflow.train.data import layout_of, read_layout
 
@@ -157,9 +160,12 @@ def export_draft(
         "shards": [Path(p).name for p in layout.paths],
         **(provenance or {}),
     }
-    config = speculators_config(
-        draft, layout.aux_ids, target_dir, target_config, speculative_tokens, dtype, provenance
-    )
+    if draft.cfg.decoder == "mla":
+        config = deepseek_eagle3_config(draft, layout.aux_ids, target_config, dtype, provenance)
+    else:
+        config = speculators_config(
+            draft, layout.aux_ids, target_dir, target_config, speculative_tokens, dtype, provenance
+        )
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

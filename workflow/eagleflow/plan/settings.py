@@ -3,7 +3,7 @@ reads them while it plans (`eagleflow.plan.resources`, `eagleflow.plan.launch`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eagleflow.data.heldout import HELDOUT_MODULUS
@@ -85,7 +85,14 @@ RUNTIME_KEYS += ("device", "device_memory_gb", "sequence_parallel", "stall_timeo
 RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_KEYS + RUNTIME_KEYS)
 
 
-ARCH_KEYS = ("fc_norm", "norm_output")  # DraftConfig fields that decide what the weights mean
+# `draft.architecture: mla`: the MLA draft's shape keys (null: the target's), which a llama
+# draft refuses (`eagleflow.draft.mla.MLA_SHAPE_KEYS` and the heads)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_KEYS += ("num_attention_heads",)
+ARCHITECTURES = ("llama", "mla")  # draft.architecture
+# DraftConfig fields that decide what the weights mean, for every architecture; an MLA draft
+# adds `architecture` and MLA_KEYS (`DraftSettings.recipe`)
+ARCH_KEYS = ("fc_norm", "norm_output")
 DRAFT_KEYS = ("attention", "activation_checkpointing", *ARCH_KEYS)  # DraftConfig overrides
 STATES = ("stored", "stream", "cached")  # draft.states (docs/streaming.md)
 
@@ -142,10 +149,27 @@ class DraftModel:
     activation_checkpointing: bool
     fc_norm: bool
     norm_output: bool
+    architecture: str = "llama"  # draft.architecture: the decoder layer (llama | mla)
+    mla_shape: dict = field(default_factory=dict)  # the MLA_KEYS set (unset: the target's)
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise SettingsError(
+                f"draft.architecture = {self.architecture!r}: one of {', '.join(ARCHITECTURES)}"
+            )
+        if self.architecture == "llama" and self.mla_shape:
+            raise SettingsError(
+                f"draft.{next(iter(self.mla_shape))} is an MLA shape key: it needs "
+                "draft.architecture: mla"
+            )
 
     def overrides(self) -> dict:
-        """The keywords `draft_config_for` takes, as the trainer's `--draft` flag carries them."""
-        return asdict(self)
+        """The keywords `draft_config_for` takes, as the trainer's `--draft` flag carries them
+        (`architecture` is DraftConfig's `decoder`; a llama draft's are those it always had)."""
+        out = {k: getattr(self, k) for k in DRAFT_KEYS}
+        if self.architecture == "mla":
+            out |= {"decoder": "mla", **self.mla_shape}
+        return out
 
 
 @dataclass(frozen=True)
@@ -218,7 +242,11 @@ class DraftSettings:
         train["device"] = "auto" if device == "cuda" else "cpu"
         return cls(
             train=TrainConfig(**train),
-            model=DraftModel(**{k: draft[k] for k in DRAFT_KEYS}),
+            model=DraftModel(
+                **{k: draft[k] for k in DRAFT_KEYS},
+                architecture=draft["architecture"],
+                mla_shape={k: draft[k] for k in MLA_KEYS if draft.get(k) is not None},
+            ),
             states=StatesSource(
                 mode=draft["states"],
                 cache_bytes=int(draft["cache_bytes"]),
@@ -253,4 +281,20 @@ class DraftSettings:
         names = sorted((set(RECIPE_KEYS) | set(EXTENT_KEYS)) - {"heldout_modulus"})
         values = {k: getattr(self.train, k) for k in names}
         values |= {k: getattr(self.model, k) for k in ARCH_KEYS}
+        if self.model.architecture == "mla":  # a llama draft's params stay what they were
+            values |= {"architecture": "mla"}
+            values |= {k: self.model.mla_shape.get(k) for k in MLA_KEYS}
         return {k: values[k] for k in sorted(values)} | {"heldout_modulus": self.heldout_modulus}
+
+
+def check_architecture(config: dict) -> None:
+    """`draft.architecture` against the evaluation, before the DAG: an MLA draft is evaluated
+    by vLLM with MLA on (the CPU KV cache of the MLA target and the MLA draft has no common
+    block size with MLA off)."""
+    ev = config["evaluate"]
+    mla = config["draft"]["architecture"] == "mla"
+    if mla and not ev["mla"] and "vllm_eagle3" in ev["paths"]:
+        raise SettingsError(
+            "draft.architecture mla is served by vLLM's Eagle3DeepseekV2ForCausalLM, which "
+            "runs only with MLA on: set evaluate.mla: true"
+        )

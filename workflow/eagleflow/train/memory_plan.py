@@ -43,6 +43,21 @@ head_dim, kv = kv_heads x head_dim, d = head_dim, Vd draft vocabulary):
                 heads (N + S) f 2 the eager reference; 0 for flex_attention (its workspace
                 is not counted)
 
+The MLA draft (`draft.architecture: mla`) replaces the attention terms: its k and v are
+expanded per head from the latent (kv = heads x (nope + rope) for k, vw = heads x v_head_dim
+for v; o = heads x v_head_dim), and the low-rank paths keep their own tensors
+(ql = q_lora_rank, kl = kv_lora_rank, r = qk_rope_head_dim):
+
+    attention = ql (a + 2f)        q_a_proj's output, q_a_layernorm's normed fp32 input
+                                   and its output (q_b_proj's input)
+              + (kl + r) a + 2 kl f        kv_a_proj_with_mqa's output, kv_a_layernorm's
+              + q a                        q after RoPE (q_b_proj's and kv_b_proj's outputs
+                                           are split and copied, not kept)
+              + kv a + vw a + 2 o a        k, v (also the later steps' keys), the attention
+                                           output and o_proj's input
+              + 2 r f                      RoPE cos, sin
+    (step_ckpt keeps kv a + vw a + 2 r f of it)
+
 The loss (`draft.train.ttt_loss`) keeps the draft's fp32 log-probabilities and the target's
 fp32 probabilities per step (8 Vd), and forms the target's fp32 logits and log-probabilities
 once (8 Vd; its gradients take their place in backward). On CPU, a tiny draft's measured peak
@@ -148,9 +163,18 @@ def step_bytes(cfg: DraftConfig, workload: Workload) -> tuple[int, int, int]:
     a = COMPUTE_BYTES[workload.device_type]
     h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     q, kv = heads * d, cfg.num_key_value_heads * d
-    full = h * (5 * a + 6 * F32) + 3 * q * a + 2 * kv * a + 2 * d * F32
+    if cfg.decoder == "mla":
+        ql, kl, r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        vw = heads * cfg.v_head_dim  # v and the attention output (o) are this wide
+        kept = kv * a + vw * a + 2 * r * F32  # k, v and RoPE's cos, sin
+        attention = ql * (a + 2 * F32) + (kl + r) * a + 2 * kl * F32
+        attention += q * a + 2 * vw * a + kept
+    else:
+        kept = 2 * kv * a + 2 * d * F32
+        attention = 3 * q * a + kept
+    full = h * (5 * a + 6 * F32) + attention
     full += 4 * cfg.intermediate_size * a + cfg.draft_vocab_size * a
-    ckpt = h * (2 * a + 2 * F32) + 2 * kv * a + 2 * d * F32 + cfg.draft_vocab_size * a
+    ckpt = h * (2 * a + 2 * F32) + kept + cfg.draft_vocab_size * a
     kernel = kernel_for(cfg.attention, torch.device(workload.device_type))
     workspace = 0
     if kernel == "dense":  # the [heads, N, N + S] softmax, fp32 and in the compute dtype
@@ -171,7 +195,8 @@ def plan_memory(cfg: DraftConfig, workload: Workload, device_bytes: int | None =
     a = COMPUTE_BYTES[workload.device_type]
     n, s, w = workload.device_tokens, workload.ttt_steps, workload.world_size
     kv = cfg.num_key_value_heads * cfg.head_dim
-    gathered = 2 * workload.max_tokens * kv * a if workload.sequence_parallel > 1 else 0
+    kv += cfg.num_attention_heads * cfg.v_head_dim if cfg.decoder == "mla" else kv  # + v
+    gathered = workload.max_tokens * kv * a if workload.sequence_parallel > 1 else 0
     full, ckpt, workspace = step_bytes(cfg, workload)
     backward = max(full, workspace)  # one step's gradients, or the kernel's workspace
     if cfg.activation_checkpointing:  # and the step being recomputed
