@@ -13,6 +13,7 @@ from eagleflow.plan import launch
 from eagleflow.plan.settings import (
     ARCH_KEYS,
     EXTENT_KEYS,
+    MLA_KEYS,
     RECIPE_KEYS,
     DraftSettings,
     SettingsError,
@@ -75,14 +76,17 @@ def test_every_draft_key_is_read_into_the_record_and_classed(key):
     """A changed key changes the typed settings (no key is left for a rule to read from the
     dict), and changes train_draft's recipe params exactly when it decides the weights or the
     extent."""
-    # stream_tls means something only over TCP; device: auto follows extract.device (cpu)
+    # stream_tls means something only over TCP; device: auto follows extract.device (cpu); the
+    # MLA shape keys only for an MLA draft
     base = {"stream_tcp": True} if key == "stream_tls" else {}
+    base |= {"architecture": "mla"} if key in MLA_KEYS else {}
     before = draft_settings(base)
     default = workflow_config()["draft"][key]
     value = "cuda" if key == "device" else another_value(DRAFT_SCHEMA[key], default)
     after = draft_settings({**base, key: value})
     assert after != before
-    decides = key in set(RECIPE_KEYS) | set(EXTENT_KEYS) | set(ARCH_KEYS)
+    decides = key in set(RECIPE_KEYS) | set(EXTENT_KEYS) | set(ARCH_KEYS) | set(MLA_KEYS)
+    decides |= key == "architecture"
     assert (after.recipe() != before.recipe()) == decides, key
 
 
