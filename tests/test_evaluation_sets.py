@@ -757,6 +757,9 @@ def test_each_mode_is_measured_by_the_same_loads_and_reported_per_set_mode_and_k
         return {"counters": {}, "records": [record(it, speculation.k) for it in items]}
 
     monkeypatch.setattr(acc, "run_vllm_sets", fake_vllm)
+    monkeypatch.chdir(tmp_path)  # "export": this run's export, a Llama draft's config
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"architectures": ["Eagle3DraftModel"]}')
     config = {
         "data": {
             "path": data,
