@@ -47,15 +47,23 @@ _DISTRIBUTED = False
 
 def build(export_dir: str, target_layers: int, target_vocab: int):
     import vllm.model_executor.models.llama as vllm_llama
-    from safetensors.torch import load_file
-    from vllm.config import CompilationMode, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
     vllm_llama.Attention = CachedAttention  # the only stand-in
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     hf = SpeculatorsConfig.from_pretrained(export_dir)
+    return loaded(Eagle3LlamaForCausalLM, hf, export_dir, target_layers, target_vocab), hf
+
+
+def loaded(model_class, hf, export_dir: str, target_layers: int, target_vocab: int):
+    """`model_class` (a vLLM EAGLE-3 draft) built for `hf` under a one-rank vLLM config, with
+    the export's weights loaded through its own `load_weights`, then the quant methods'
+    `process_weights_after_loading`, as vLLM's loader does."""
+    from safetensors.torch import load_file
+    from vllm.config import CompilationMode, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
     vc = VllmConfig()
     vc.compilation_config.mode = CompilationMode.NONE
     global _DISTRIBUTED
@@ -86,7 +94,7 @@ def build(export_dir: str, target_layers: int, target_vocab: int):
         ),
     )
     with set_current_vllm_config(vc):
-        model = Eagle3LlamaForCausalLM(vllm_config=vc)
+        model = model_class(vllm_config=vc)
     weights = {
         k: (v.float() if v.is_floating_point() else v)
         for k, v in load_file(f"{export_dir}/model.safetensors").items()
@@ -96,7 +104,7 @@ def build(export_dir: str, target_layers: int, target_vocab: int):
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
-    return model, hf
+    return model
 
 
 @torch.no_grad()

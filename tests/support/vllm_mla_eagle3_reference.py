@@ -17,11 +17,9 @@ process-global.
 """
 
 import sys
-import tempfile
-from types import SimpleNamespace as NS
 
 import torch
-from vllm_eagle3_reference import draft_like_vllm
+from vllm_eagle3_reference import draft_like_vllm, loaded
 
 
 class CachedMLA(torch.nn.Module):
@@ -51,14 +49,8 @@ class CachedMLA(torch.nn.Module):
         return (probs @ v).transpose(0, 1).reshape(n, self.h * self.dv)
 
 
-_DISTRIBUTED = False
-
-
 def build(export_dir: str, target_layers: int, target_vocab: int):
     import vllm.model_executor.layers.mla as vllm_mla
-    from safetensors.torch import load_file
-    from vllm.config import CompilationMode, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.transformers_utils.config import get_config
     from vllm.transformers_utils.configs.eagle import EAGLEConfig
 
@@ -67,47 +59,7 @@ def build(export_dir: str, target_layers: int, target_vocab: int):
 
     hf = EAGLEConfig(get_config(export_dir, trust_remote_code=False), method="eagle3")
     assert hf.architectures == ["Eagle3DeepseekV2ForCausalLM"], hf.architectures
-    vc = VllmConfig()
-    vc.compilation_config.mode = CompilationMode.NONE
-    global _DISTRIBUTED
-    if not _DISTRIBUTED:
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            backend="gloo",
-            distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
-        )
-        with set_current_vllm_config(vc):
-            initialize_model_parallel(1, 1)
-        _DISTRIBUTED = True
-    object.__setattr__(
-        vc,
-        "speculative_config",
-        NS(draft_model_config=NS(hf_config=hf, quantization=None), parallel_drafting=False),
-    )
-    object.__setattr__(
-        vc,
-        "model_config",
-        NS(
-            dtype=torch.float32,
-            head_dtype=torch.float32,
-            get_vocab_size=lambda: target_vocab,
-            get_total_num_hidden_layers=lambda: target_layers,
-        ),
-    )
-    with set_current_vllm_config(vc):
-        model = Eagle3DeepseekV2ForCausalLM(vllm_config=vc)
-    weights = {
-        k: (v.float() if v.is_floating_point() else v)
-        for k, v in load_file(f"{export_dir}/model.safetensors").items()
-    }
-    model.load_weights(iter(weights.items()))
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-    return model, hf
+    return loaded(Eagle3DeepseekV2ForCausalLM, hf, export_dir, target_layers, target_vocab), hf
 
 
 def main():
