@@ -7,8 +7,6 @@ exports a draft for the real embedded target and starts vLLM with it.
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,16 @@ from eagleflow.plan.settings import TrainConfig
 from eagleflow.store.quant import FP8
 from eagleflow.train.data import PackDataset, read_layout, sample_table
 from eagleflow.train.trainer import train
-from support.draft_fixtures import SPECULATORS_NAMES, TINY_DRAFT, H, L, V, write_shard, write_target
+from support.draft_fixtures import (
+    SPECULATORS_NAMES,
+    TINY_DRAFT,
+    H,
+    L,
+    V,
+    vllm_reference_drafts,
+    write_shard,
+    write_target,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -727,26 +734,7 @@ def test_draft_forward_matches_vllm_eagle3_module(tiny, tmp_path):
         d = tmp_path / f"export{i}"
         drafts.append(perturbed_export(tiny, d, nbr, seed=i, **arch))
         dirs.append(str(d))
-    torch.save(
-        {"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
-        tmp_path / "inputs.pt",
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "support" / "vllm_eagle3_reference.py"),
-            str(tmp_path / "inputs.pt"),
-            str(tmp_path / "out.pt"),
-            *dirs,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = torch.load(tmp_path / "out.pt")
+    results = vllm_reference_drafts("vllm_eagle3_reference.py", tmp_path, aux, tokens, dirs)
     for (draft, vocab), res, (nbr, arch) in zip(drafts, results, variants):
         assert res["norm_before_residual"] is nbr and res["draft_vocab_size"] == 48
         assert res["fc_norm"] is arch.get("fc_norm", False)

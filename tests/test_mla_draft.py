@@ -3,9 +3,6 @@ export vLLM 0.32 loads as `Eagle3DeepseekV2ForCausalLM`, and its forward against
 module. The kernels' equality for MLA is in `test_draft_model.py`."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,14 @@ from eagleflow.draft.model import draft_config_for
 from eagleflow.draft.vocab import build_draft_vocab
 from eagleflow.draft.weights import build_draft
 from eagleflow.export.speculators_format import export_draft
-from support.draft_fixtures import TINY_DRAFT, TINY_MLA_DRAFT, V, write_shard, write_target
+from support.draft_fixtures import (
+    TINY_DRAFT,
+    TINY_MLA_DRAFT,
+    V,
+    vllm_reference_drafts,
+    write_shard,
+    write_target,
+)
 from support.target_configs import DEEPSEEK_V3, KIMI_K25
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,26 +175,7 @@ def test_mla_draft_forward_matches_vllm_eagle3_deepseek_module(tiny, tmp_path):
         d = tmp_path / f"export{i}"
         drafts.append(mla_export(tiny, d, seed=i, norm_before_residual=nbr, **arch))
         dirs.append(str(d))
-    torch.save(
-        {"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V},
-        tmp_path / "inputs.pt",
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "support" / "vllm_mla_eagle3_reference.py"),
-            str(tmp_path / "inputs.pt"),
-            str(tmp_path / "out.pt"),
-            *dirs,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = torch.load(tmp_path / "out.pt")
+    results = vllm_reference_drafts("vllm_mla_eagle3_reference.py", tmp_path, aux, tokens, dirs)
     expected = [("default", "RotaryEmbedding"), ("deepseek_yarn", "DeepseekScalingRotaryEmbedding"),
                 ("deepseek_llama_scaling", "DeepseekScalingRotaryEmbedding")]  # fmt: skip
     for (draft, vocab), res, (nbr, arch), exp in zip(drafts, results, variants, expected):

@@ -2,6 +2,9 @@
 draft's tests: seconds on a CPU, no vLLM."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -119,3 +122,21 @@ def write_shard(
         },
     )
     return path
+
+
+def vllm_reference_drafts(script: str, work: Path, aux, tokens, export_dirs) -> list:
+    """Runs `tests/support/<script>` (vLLM's own EAGLE-3 module on each export, drafting as its
+    proposer does) in a process of its own, as vLLM's distributed state is process-global, and
+    returns its results, one per export."""
+    repo = Path(__file__).resolve().parents[2]
+    torch.save(
+        {"aux": aux, "tokens": tokens, "target_layers": L, "target_vocab": V}, work / "inputs.pt"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(repo / "tests" / "support" / script), str(work / "inputs.pt"),
+         str(work / "out.pt"), *map(str, export_dirs)],
+        env=dict(os.environ, PYTHONPATH=str(repo / "workflow")),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return torch.load(work / "out.pt")
