@@ -53,15 +53,9 @@ def reply_parts(parser_name: str | None, tokenizer) -> ReplyParts | None:
     whose end-of-reasoning token the tokenizer lacks."""
     if not parser_name:
         return None
-    from vllm.reasoning import ReasoningParserManager
+    from eagleflow.regenerate.replies import vllm_reasoning_parser
 
-    try:
-        parser = ReasoningParserManager.get_reasoning_parser(parser_name)(tokenizer)
-    except KeyError as e:
-        raise ValueError(
-            f"evaluate.reasoning_parser is {parser_name!r}, which this vLLM does not have; use "
-            "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
-        ) from e
+    parser = vllm_reasoning_parser(parser_name, tokenizer, "evaluate.reasoning_parser")
     ends = getattr(parser, "reasoning_end_token_ids", None)
     if not ends and getattr(parser, "end_token_id", None) is not None:
         ends = {parser.end_token_id}

@@ -136,17 +136,23 @@ class ReplyForm:
         return out
 
 
-def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None, str | None]]:
-    """vLLM's reasoning parser `name` (kimi_k2, deepseek_r1, qwen3, ...) over whole replies."""
+def vllm_reasoning_parser(name: str, tokenizer, key: str):
+    """vLLM's reasoning parser `name` for `tokenizer`; a ValueError naming the config `key`
+    that asked for it when this vLLM has none of that name."""
     from vllm.reasoning import ReasoningParserManager
 
     try:
-        parser = ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+        return ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
     except KeyError as e:
         raise ValueError(
-            f"data.regenerate.reasoning_parser is {name!r}, which this vLLM does not have; use "
-            "one of vLLM's reasoning parser names (kimi_k2, deepseek_r1, qwen3, ...)"
+            f"{key} is {name!r}, which this vLLM does not have; use one of vLLM's reasoning "
+            "parser names (kimi_k2, deepseek_r1, qwen3, ...)"
         ) from e
+
+
+def reasoning_splitter(name: str, tokenizer) -> Callable[[str], tuple[str | None, str | None]]:
+    """vLLM's reasoning parser `name` (kimi_k2, deepseek_r1, qwen3, ...) over whole replies."""
+    parser = vllm_reasoning_parser(name, tokenizer, "data.regenerate.reasoning_parser")
     end = parser.reasoning_end_str or ""
 
     def split(text: str) -> tuple[str | None, str | None]:
