@@ -257,7 +257,7 @@ def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_pat
     assert [type(o).__name__ for o in optims] == ["Muon", "AdamW"]
     assert optims[0].param_groups[0]["peak_lr"] == 0.02
 
-    # Newton-Schulz runs in bf16: the ranks' sums round otherwise than one process's
+    # the ranks' gradient sums round otherwise than one process's
     one = run_here(data, tmp_path / "one", optimizer="muon", muon_lr=0.02)
     torchrun(data, tmp_path / "two", 2, optimizer="muon", muon_lr=0.02)
     torch.testing.assert_close(
@@ -278,13 +278,14 @@ def test_muon_orthogonalizes_whole_matrices_on_two_ranks_as_on_one(data, tmp_pat
 MUON_STEP = """
 import torch, torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from eagleflow.train.optimizer import Muon
 mesh = init_device_mesh("cpu", (2,))
 torch.manual_seed(0)
 weight, grad = torch.randn(32, 96), torch.randn(32, 96)
 def step(w, g):
     w = torch.nn.Parameter(w)
     w.grad = g
-    torch.optim.Muon([w], lr=0.1, weight_decay=0.0).step()
+    Muon([w], lr=0.1, weight_decay=0.0).step()
     return w.detach()
 full = step(weight.clone(), grad.clone())
 sharded = step(*(distribute_tensor(t, mesh, [Shard(0)]) for t in (weight, grad))).full_tensor()
@@ -299,8 +300,9 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_muon_on_a_row_sharded_matrix_steps_the_whole_matrix(tmp_path):
-    """FSDP2 shards a weight by rows (DTensor Shard(0)); torch's Muon on that DTensor updates
-    it as the whole matrix, not as each rank's rows orthogonalized alone."""
+    """FSDP2 shards a weight by rows (DTensor Shard(0)); the trainer's Muon (torch's step) on
+    that DTensor updates it as the whole matrix, not as each rank's rows orthogonalized
+    alone."""
     script = tmp_path / "muon_step.py"
     script.write_text(MUON_STEP)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]

@@ -62,3 +62,41 @@ def test_figures_weigh_every_token_once():
     assert out["acc_0"] == pytest.approx(2 / 3) and out["cond_acc_1"] == pytest.approx(0.5)
     assert out["simulated_acceptance_length"] == pytest.approx(1 + 2 / 3 + 2 / 3 * 0.5)
     assert out["tokens"] == 3
+
+
+def test_muon_steps_as_torchs_in_bf16_and_orthogonalizes_in_float32_on_a_cpu(monkeypatch):
+    """The trainer's Muon is torch's step: with bf16 iterations (CUDA's) it gives torch's
+    weights and state exactly; on a CPU it iterates in float32, within bf16 rounding of them,
+    and its update is about orthogonal (singular values near 1)."""
+    from eagleflow.train import optimizer
+
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 24), torch.randn(16, 40)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+
+    def stepped(cls):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = cls(params, lr=0.02, weight_decay=0.1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in params], opt.state_dict()["state"]
+
+    assert optimizer.newton_schulz_dtype(torch.device("cpu")) == torch.float32
+    assert optimizer.newton_schulz_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    reference, reference_state = stepped(torch.optim.Muon)
+    float32, _ = stepped(optimizer.Muon)
+    monkeypatch.setattr(optimizer, "newton_schulz_dtype", lambda device: torch.bfloat16)
+    bf16, bf16_state = stepped(optimizer.Muon)
+    for ours, theirs in zip(bf16, reference):
+        assert torch.equal(ours, theirs)
+    for k, v in reference_state.items():
+        assert torch.equal(bf16_state[k]["momentum_buffer"], v["momentum_buffer"])
+    for ours, theirs in zip(float32, reference):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
+        assert not torch.equal(ours, theirs)
+    singular = torch.linalg.svdvals(
+        optimizer.orthogonalize(grads[0][0], (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    )
+    assert 0.5 < singular.min() and singular.max() < 1.5
