@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from support.workflow_runner import (
+    CHILD_ENV,
     REPO,
     SHORT_REGENERATION,
     SMALL,
@@ -108,6 +109,7 @@ def snakemake_slurm(workdir: Path, profile_home: Path, *args, timeout=1200, conf
     ]
     env = {
         **os.environ,
+        **CHILD_ENV,  # the jobs inherit it (sbatch exports the submitter's environment)
         "XDG_CONFIG_HOME": str(profile_home),
         "EAGLEFLOW_SLURM_PARTITION": PARTITION,
         "EAGLEFLOW_SLURM_ACCOUNT": ACCOUNT,

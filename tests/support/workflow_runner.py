@@ -31,6 +31,13 @@ EXTRACTION_BASE = {
 }
 
 
+# The environment of the runs a test starts (Snakemake, its jobs, their vLLM engines): OpenMP
+# threads that wait sleep instead of spinning, since the suite runs more processes than cores
+# (docs/testing.md; benchmarks/omp_wait_policy.py). Only for these fresh processes: a pytest
+# worker keeps libgomp's default, as a loader worker forked from it deadlocked under PASSIVE.
+CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 # data.regenerate for the tests that regenerate: switched on, short replies (the untrained
 # target loops until max_new_tokens), the CPU's fast plain-attention path, and a whole chunk
 # (at most 64 rows) decoded together; each test sets its own shard and chunk sizes.
@@ -72,7 +79,11 @@ def snakemake_command(workdir: Path, *args, config=None) -> list[str]:
 def snakemake(workdir: Path, *args, config=None, check=True, timeout=1800, env=None):
     cmd = snakemake_command(workdir, *args, config=config)
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **CHILD_ENV, **(env or {})},
     )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -104,7 +115,8 @@ def run_and_kill(
     Returns the ended process."""
     cmd = snakemake_command(workdir, *targets, config=config)
     out = open(Path(workdir) / log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+    env = {**os.environ, **CHILD_ENV}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env=env)
     deadline = time.time() + timeout
     try:
         while not when():
