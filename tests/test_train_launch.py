@@ -151,9 +151,14 @@ def test_a_streaming_run_s_trainer_takes_the_gpus_its_engine_server_does_not():
 
 
 def test_streamed_states_refuse_sequence_splitting(tmp_path):
+    from eagleflow.train.data import StateSource
+
+    class Served(StateSource):  # refused before anything is read
+        served, paths = True, []
+
     cfg = TrainConfig(sequence_parallel=2, batch_packs=2)
     with pytest.raises(launch.LaunchError, match=r"sequence_parallel = 2 with streamed states"):
-        preflight([], "t", None, cfg, {}, launch.Launch(1, 2, "cpu"), print, [1, 2])
+        preflight(Served(), "t", None, cfg, {}, launch.Launch(1, 2, "cpu"), print)
 
 
 def test_a_launch_that_cannot_work_is_refused_in_one_sentence_naming_the_key():
@@ -358,12 +363,14 @@ def test_preflight_refuses_a_draft_that_cannot_fit_before_any_rank_starts(tmp_pa
     one sentence naming the key, as the trainer's own check gives it."""
     from eagleflow.draft.vocab import build_draft_vocab
     from eagleflow.train.memory_plan import MemoryPlanError
+    from eagleflow.train.states import state_source
     from support.draft_fixtures import TINY_DRAFT, V, write_shard, write_target
 
     target = write_target(tmp_path / "target")
     shards = [write_shard(tmp_path / f"shard{i}.safetensors", 12, seed=i) for i in range(2)]
     vocab = build_draft_vocab(shards, V, 48)
     run = launch.Launch(1, 2, "cpu")
+    shards = state_source(shards, None)  # stored states
     fits = TrainConfig(batch_packs=2, max_tokens=64, device="cpu")
     plan = preflight(shards, target, vocab, fits, TINY_DRAFT, run, print)
     assert plan.workload.world_size == 2 and plan.workload.max_tokens == 64

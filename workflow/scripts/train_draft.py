@@ -13,7 +13,7 @@ from eagleflow.train.checkpoint import BEST
 from eagleflow.train.memory_plan import MemoryPlanError
 from eagleflow.train.preflight import launch_for_job, preflight
 from eagleflow.train.records import CURVES, METRICS, SUMMARY, VALIDATION
-from eagleflow.train.states import StreamSource
+from eagleflow.train.states import StreamSource, state_source
 
 # Starts draft.nodes x draft.processes_per_node trainer ranks (eagleflow.plan.launch): with
 # torchrun on this machine, or one srun task per rank inside the job's SLURM allocation (its
@@ -48,14 +48,13 @@ with redirect_to_log(snakemake.log[0]):
             threads=snakemake.threads,
         )
         preflight(
-            shards,
+            state_source(shards, stream),
             snakemake.params.target,
             load_vocab(snakemake.input.vocab),
             draft.train,
             draft.model.overrides(),
             run,
             log=lambda line: None,  # the trainer logs the plan; a refusal is the sentence
-            stream_layer_ids=stream.plan.layer_ids if stream else None,
         )
     except (launch.LaunchError, MemoryPlanError, ValueError) as e:
         raise UserError(str(e)) from None

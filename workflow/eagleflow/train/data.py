@@ -419,6 +419,7 @@ class StateSource:
     same in every mode."""
 
     paths: list[str]  # the shards the samples are in (extracted, or token shards)
+    served = False  # True: the states come from an engine (no sequence splitting there)
 
     def layout(self, num_hidden_layers: int) -> ShardLayout:
         """The layout of the states this source gives."""

@@ -33,44 +33,29 @@ def launch_for_job(draft: DraftSettings, extract: dict, srun: bool, threads: int
     return Launch(job.nodes, per_node, job.device, False, max(1, threads // per_node), devices)
 
 
-def preflight(
-    shards,
-    target,
-    vocab,
-    cfg: TrainConfig,
-    overrides: dict,
-    launch: Launch,
-    log,
-    stream_layer_ids=None,
-):
+def preflight(source, target, vocab, cfg: TrainConfig, overrides: dict, launch: Launch, log):
     """Before any rank starts: `Launch.check`, then the trainer's own memory check
     (`eagleflow.train.memory_plan.check_memory`) of the draft at the target's shape and the
     longest pack, at this launch's world size, on this node's first device (left to the
-    ranks where the launcher sees no GPU). Reads the shards' offsets only.
-    `stream_layer_ids`: the capture plan's ids, when the states are streamed (`shards` are
-    then the token shards). `cfg`: `DraftSettings.train`; `overrides`: the DraftConfig
-    overrides (`DraftSettings.model.overrides()`)."""
-    launch.check(cfg.batch_packs, cfg.sequence_parallel, stream_layer_ids is not None)
+    ranks where the launcher sees no GPU). `source`: the run's `StateSource`
+    (`eagleflow.train.states.state_source`), whose samples are read as the trainer reads
+    them (`TrainData.read`: offsets only, no states). `cfg`: `DraftSettings.train`;
+    `overrides`: the DraftConfig overrides (`DraftSettings.model.overrides()`)."""
+    launch.check(cfg.batch_packs, cfg.sequence_parallel, source.served)
     import torch
 
     if launch.device == "cuda" and not torch.cuda.is_available() and not cfg.device_memory_gb:
         log("no GPU visible where the ranks are launched: each rank checks its memory plan")
         return None
 
-    from eagleflow.data.heldout import excluder
     from eagleflow.draft.model import draft_config_for
     from eagleflow.target.head import read_target_config
-    from eagleflow.train.data import layout_of, read_layout, sample_table, shard_paths
+    from eagleflow.train.data import TrainData
     from eagleflow.train.memory_plan import check_memory
 
     config = read_target_config(target)
-    num_layers = int(config["num_hidden_layers"])
-    if stream_layer_ids is not None:
-        layout = layout_of(shard_paths(shards), stream_layer_ids, num_layers)
-    else:
-        layout = read_layout(shard_paths(shards), num_layers)
-    table = sample_table(layout.paths, excluder(cfg.heldout_modulus), cfg.max_sample_tokens)
-    draft_cfg = draft_config_for(config, vocab.size, len(layout.aux_ids), **overrides)
+    data = TrainData.read(source, int(config["num_hidden_layers"]), cfg, log)
+    draft_cfg = draft_config_for(config, vocab.size, len(data.layout.aux_ids), **overrides)
     device = torch.device("cuda", 0) if launch.device == "cuda" else torch.device("cpu")
-    pack_tokens = max(cfg.max_tokens, table.longest_train)
+    pack_tokens = max(cfg.max_tokens, data.table.longest_train)
     return check_memory(draft_cfg, cfg, pack_tokens, launch.world_size, device, log)

@@ -171,6 +171,8 @@ class ServedStates(StateSource):
     """The states of the token shards' samples, from the cache or the capture server (the
     `StateSource` of `stream` and `cached`)."""
 
+    served = True
+
     def __init__(self, source: StreamSource, paths):
         self.source, self.paths = source, [str(p) for p in paths]
         self._shards: dict[int, TokenShard] = {}  # this process's (each worker's own)
