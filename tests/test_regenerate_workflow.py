@@ -139,7 +139,12 @@ def test_sigkill_mid_shard_then_resume_gives_the_uninterrupted_shard(regenerated
     )
 
 
-def test_editing_one_row_regenerates_one_shard_and_extracts_one(regenerated_workdir, tmp_path):
+def test_editing_one_row_and_appending_rows_regenerate_and_extract_only_those_shards(
+    regenerated_workdir, tmp_path
+):
+    """One row of the second source shard edited and 10 rows appended, then one `snakemake
+    extract`: the edited shard and the appended rows' new source shard are regenerated (one
+    server), their token shards extracted; the first shard, untouched, is neither."""
     work = copy_workdir(regenerated_workdir, tmp_path / "edited")
     before_sources = [s["id"] for s in sources(work)["shards"]]
     before_tokens = token_shard_ids(work)
@@ -147,31 +152,25 @@ def test_editing_one_row_regenerates_one_shard_and_extracts_one(regenerated_work
     row = json.loads(lines[149])
     row["messages"][0]["content"] = "What is the capital of Spain?"
     lines[149] = json.dumps(row)
-    dataset(work).write_text("\n".join(lines) + "\n")
+    appended = [json.dumps({"id": f"new{i}", "turns": [f"Count to {i + 2}."]}) for i in range(10)]
+    dataset(work).write_text("\n".join(lines + appended) + "\n")
     t0 = time.time()
     proc = snakemake(work, "extract", config=REGEN)
     jobs = started_jobs(proc.stdout + proc.stderr)
-    assert jobs["regenerate_shard"] == 1 and jobs["extract_shard"] == 1, jobs
+    assert jobs["regenerate_shard"] == 2 and jobs["extract_shard"] == 2, jobs
     after_sources = [s["id"] for s in sources(work)["shards"]]
-    assert after_sources[0] == before_sources[0] and after_sources[1] != before_sources[1]
+    assert len(after_sources) == 3 and after_sources[0] == before_sources[0]
+    assert after_sources[1] != before_sources[1]
     after_tokens = token_shard_ids(work)
-    assert after_tokens[0] == before_tokens[0] and after_tokens[1] != before_tokens[1]
-    summary = json.loads(
-        (work / "results" / "regenerated" / f"{after_sources[1]}.summary.json").read_text()
-    )
+    assert len(after_tokens) == 3 and after_tokens[0] == before_tokens[0]
+    assert after_tokens[1] != before_tokens[1]
+    summaries = [
+        json.loads((work / "results" / "regenerated" / f"{sid}.summary.json").read_text())
+        for sid in after_sources[1:]
+    ]
+    assert [s["rows_kept"] + s["rows_rejected"] for s in summaries] == [100, 10]
+    assert sum(s["model_loaded"] for s in summaries) == 1  # both jobs, one server
     print(
-        f"\nedit one row: {time.time() - t0:.0f} s, jobs {jobs}, "
-        f"{summary['replies_now']} replies regenerated"
+        f"\nedit one row and append 10: {time.time() - t0:.0f} s, jobs {jobs}, "
+        f"{[s['replies_now'] for s in summaries]} replies regenerated"
     )
-
-    # Appending rows: one new source shard, regenerated alone; the others stay.
-    with open(dataset(work), "a") as f:
-        for i in range(10):
-            f.write(json.dumps({"id": f"new{i}", "turns": [f"Count to {i + 2}."]}) + "\n")
-    t0 = time.time()
-    proc = snakemake(work, "regenerate", config=REGEN)
-    jobs = started_jobs(proc.stdout + proc.stderr)
-    assert jobs["regenerate_shard"] == 1, jobs
-    appended = [s["id"] for s in sources(work)["shards"]]
-    assert appended[:2] == after_sources and len(appended) == 3
-    print(f"\nappend 10 rows: {time.time() - t0:.0f} s, jobs {jobs}")
