@@ -11,7 +11,7 @@ giving AL per mode and, split by vLLM's `kimi_k2` reasoning parser, of the reaso
 the answer.
 
 One working directory for the module, built by three Snakemake runs (three engine loads in
-all): the replica is built once (trained for a few steps: see REPLICA) and shared by every run; the
+all): the replica is built once (briefly trained: see REPLICA) and shared by every run; the
 regeneration run writes to its own `results_dir`, and `all` continues the extraction run's
 (no re-extraction), its one evaluation engine serving both modes. Regeneration turns every
 assistant turn into the target's own, so the mixed forms are extracted as written."""
@@ -112,17 +112,17 @@ def prompt_rows() -> list[dict]:
     return [{"id": f"p{i}", "turns": [q, "And once more?"]} for i, q in enumerate(sums + capitals)]
 
 
-# The replica, built and trained by its rule on a small corpus of two families, the
+# The replica, briefly trained (about 2 minutes here) on a small corpus of two families, the
 # `reasoning` one among them. What is tested here is the template, the tokenizer and the
-# architecture, through vLLM, so 10 steps do: 120 (about 2 minutes) were tried in the hope of
-# greedy replies that end their turn, and none did (every reply was cut at the budget; the
-# exact re-render of a finished reply is proven in test_reasoning_data.py). The assertions hold
-# for replies of either kind.
+# architecture, through vLLM; the replies must vary: 10 steps left a replica that answers every
+# prompt with spaces, which its reasoning parser strips, so nothing re-rendered. At 120 steps
+# no reply ended its turn either (every one was cut at the budget; the exact re-render of a
+# finished reply is proven in test_reasoning_data.py).
 REPLICA = {
     "target": {"path": KIMI, "trust_remote_code": True},
     "data": {"bundled_conversations": 90, "bundled_synthetic_families": ["reasoning", "capitals"]},
     "target_training": {
-        "steps": 10,
+        "steps": 120,
         "batch_tokens": 512,
         "lr": 0.006,
         "warmup_steps": 1,
