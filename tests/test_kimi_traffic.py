@@ -8,13 +8,16 @@ template strips it, the hidden-state shards verified); and regeneration in think
 turn (`tool_parser: kimi_k2`); and `snakemake all` on the extracted mixed rows trains a draft
 and evaluates it in two modes (`evaluate.modes`: thinking and instant), the acceptance report
 giving AL per mode and, split by vLLM's `kimi_k2` reasoning parser, of the reasoning and of
-the answer.
+the answer; the same evaluation measures `evaluate.draft` (here this run's own export again,
+which must give exactly the run's own figures) and `evaluate.speed` (output tokens/s with and
+without the draft, marked not representative on a CPU).
 
-One working directory for the module, built by three Snakemake runs (three engine loads in
+One working directory for the module, built by three Snakemake runs (five engine loads in
 all): the replica is built once (briefly trained: see REPLICA) and shared by every run; the
 regeneration run writes to its own `results_dir`, and `all` continues the extraction run's
-(no re-extraction), its one evaluation engine serving both modes. Regeneration turns every
-assistant turn into the target's own, so the mixed forms are extracted as written."""
+(no re-extraction), its three evaluation engines (this run's draft, evaluate.draft's, the
+target alone) each serving both modes. Regeneration turns every assistant turn into the
+target's own, so the mixed forms are extracted as written."""
 
 import csv
 import json
@@ -169,7 +172,10 @@ def traffic(tmp_path_factory):
 
 # `all` after the extraction: a short draft training on the mixed rows' shards, evaluated on
 # the first three mixed rows (a reasoning_content, an inline <think> and a tool row, each up to
-# its first user turn, the tool row with its tools) in both modes, at k = 1: one engine.
+# its first user turn, the tool row with its tools) in both modes, at k = 1, with
+# evaluate.speed at concurrencies 1 and 2 (the fewest that still show concurrency); the
+# `evaluated` fixture adds evaluate.draft. Three engines: the run's draft, evaluate.draft's, and
+# the target alone (the speed baseline).
 EVALUATION = {
     "draft": {
         "vocab_size": 256,
@@ -186,31 +192,46 @@ EVALUATION = {
         "max_tokens": 16,
         "modes": {"thinking": {"thinking": True}, "instant": {"thinking": False}},
         "reasoning_parser": "kimi_k2",
+        "speed": True,
+        "speed_concurrencies": [1, 2],
     },
 }
 
 
 @pytest.fixture(scope="module")
 def evaluated(traffic):
-    """`snakemake all` continuing the extraction run of `traffic`: its acceptance report."""
+    """`snakemake all` continuing the extraction run of `traffic`: its acceptance report.
+
+    evaluate.draft is this run's own export directory, as the evaluate rule names its own
+    (relative to the working directory): the rule takes evaluate.draft's config.json as an
+    input, here the export's own output, so Snakemake trains and exports once and evaluates
+    after it (no cycle: nothing the export needs comes from the evaluation). validate_env,
+    which checks that evaluate.draft holds a config.json, ran in the extraction run, before
+    the draft existed, and does not run again (its rerun triggers leave out `evaluate`)."""
     mixed = traffic / "mixed.jsonl"
+    fp = hidden_dir(traffic).name
     config = merged(
         merged(REPLICA, {"data": {"path": str(mixed), "shard_size": 6}}),
         merged(
             EVALUATION,
             {
                 "evaluate": {
-                    "sets": [{"name": "mixed", "path": str(mixed), "format": "chat", "limit": 3}]
+                    "sets": [{"name": "mixed", "path": str(mixed), "format": "chat", "limit": 3}],
+                    "draft": f"results/draft/{fp}/export",
                 }
             },
         ),
     )
     t0 = time.time()
     proc = snakemake(traffic, config=config)
-    print(f"draft trained, exported and evaluated in two modes: {time.time() - t0:.0f} s")
-    fp = hidden_dir(traffic).name
+    print(
+        "draft trained, exported and evaluated in two modes, beside evaluate.draft and with "
+        f"evaluate.speed: {time.time() - t0:.0f} s"
+    )
     out = traffic / "results" / "eval" / fp
     return {
+        "fp": fp,
+        "work": out / "work",
         "report": json.loads((out / "acceptance.json").read_text()),
         "table": (out / "acceptance.md").read_text(),
         "log": (traffic / "results" / "logs" / "evaluate" / f"{fp}.log").read_text(),
@@ -394,7 +415,8 @@ def test_all_on_the_replica_reports_acceptance_per_mode_and_per_part_of_the_repl
     from eagleflow.evaluate.turns import chat_renderer
 
     report, table = evaluated["report"], evaluated["table"]
-    assert report["engine_loads"] == 1 and report["reasoning_parser"] == "kimi_k2"
+    # this run's draft, evaluate.draft's and the target alone (evaluate.speed)
+    assert report["engine_loads"] == 3 and report["reasoning_parser"] == "kimi_k2"
     assert report["modes"] == {"thinking": {"thinking": True}, "instant": {"thinking": False}}
     rows = mixed_rows()[:3]
     render = chat_renderer(tok)
@@ -420,7 +442,7 @@ def test_all_on_the_replica_reports_acceptance_per_mode_and_per_part_of_the_repl
     assert "## Reasoning and answer" in table
     assert "| mixed (thinking) | vLLM eagle3 | 1 |" in table
     assert "| mixed (instant) | vLLM eagle3 | 1 |" in table
-    assert "engine loads: 1 vLLM engine(s)" in evaluated["log"]
+    assert "engine loads: 3 vLLM engine(s)" in evaluated["log"]
     print(
         "AL per mode:",
         {
@@ -430,4 +452,130 @@ def test_all_on_the_replica_reports_acceptance_per_mode_and_per_part_of_the_repl
             )
             for m, f in figures.items()
         },
+    )
+
+
+def test_evaluate_draft_beside_the_runs_own_gives_exactly_its_figures(evaluated):
+    """`evaluate.draft` through the real engine: this run's own export, named again as
+    evaluate.draft, measured by an engine of its own on the same sets, modes and k. The same
+    weights, greedy, with the same engine settings, one prompt at a time: every set, mode and
+    k gives exactly the run's own counters (in total, per prompt, per position and per part of
+    the reply), the same replies and the same AL; acceptance.md names the directory and gives
+    its rows beside the run's own."""
+    from eagleflow.evaluate.acceptance import GIVEN, TARGET_ALONE
+
+    report, table = evaluated["report"], evaluated["table"]
+    given_dir = f"results/draft/{evaluated['fp']}/export"
+    assert report["given_draft"] == report["draft"] == given_dir
+    loads = report["loads"]
+    assert [x["path"] for x in loads] == [TARGET_ALONE, "vllm_eagle3", "vllm_eagle3" + GIVEN]
+    # vLLM's own totals over every set and mode, in each engine
+    own_total, given_total = loads[1]["counters"], loads[2]["counters"]
+    assert own_total == given_total and own_total["1"]["num_drafts"] > 0, loads
+    counters = ["num_drafts", "num_draft_tokens", "num_accepted_tokens"]
+    counters += ["num_accepted_tokens_per_pos", "per_prompt", "by_part", "acceptance_length"]
+    modes = list(report["modes"])
+    figures = {}
+    for mode in modes:
+        by_k = report["runs_by_mode"][mode]["mixed"]
+        assert list(by_k) == ["1"]
+        own, given = by_k["1"]["vllm_eagle3"], by_k["1"]["vllm_eagle3" + GIVEN]
+        assert "error" not in given, given
+        for key in counters:
+            assert given[key] == own[key], (mode, key, given[key], own[key])
+        assert given["output_token_ids"] == own["output_token_ids"], mode
+        assert given == own, mode  # and everything else: texts, prompt tokens, interval
+        # Two loads of one engine give the same records on the 120-step replica's varied replies
+        # too (62 drafts, 30 accepted: docs/measurements/evaluation-sets.md, 2026-12-07); the
+        # 10-step replica here may reply with one token repeated, which any draft predicts.
+        figures[mode] = given
+    assert report["runs"] == report["runs_by_mode"][modes[0]]
+
+    assert f"| draft (evaluate.draft) | `{given_dir}` |" in table
+    assert "| engine loads | 3 |" in table
+    al = " | ".join(f"{figures[m]['acceptance_length']:.2f}" for m in modes)
+    assert f"| vLLM eagle3 | 1 | 0 (greedy) | {al} |" in table
+    assert f"| vLLM eagle3 (evaluate.draft) | 1 | 0 (greedy) | {al} |" in table
+    for m in modes:
+        f = figures[m]
+        iv = f["interval"]
+        per_pos = ", ".join(str(x) for x in f["num_accepted_tokens_per_pos"])
+        assert (
+            f"| mixed ({m}) | all | vLLM eagle3 (evaluate.draft) | 1 | 0 (greedy) | "
+            f"{f['acceptance_length']:.2f} | [{iv['low']:.2f}, {iv['high']:.2f}] | 3 | "
+            f"{f['num_drafts']} | {per_pos} |"
+        ) in table
+        reasoning, answer = f["by_part"]["reasoning"], f["by_part"]["answer"]
+        parts = " | ".join(
+            f"{x['acceptance_length']:.2f}" if x["num_drafts"] else "-" for x in (reasoning, answer)
+        )
+        assert (
+            f"| mixed ({m}) | vLLM eagle3 (evaluate.draft) | 1 | 0 (greedy) | "
+            f"{f['acceptance_length']:.2f} | {parts} | {reasoning['num_drafts']} | "
+            f"{answer['num_drafts']} |"
+        ) in table
+    print(
+        "evaluate.draft against the run's own:",
+        {
+            m: (f["num_drafts"], f["num_accepted_tokens"], f["acceptance_length"])
+            for m, f in figures.items()
+        },
+        "load wall s:",
+        {x["path"]: x["wall_s"] for x in loads},
+    )
+
+
+def test_speed_with_and_without_the_draft_through_the_engine_marked_on_a_cpu(evaluated):
+    """`evaluate.speed` through the real engine: the target alone (an engine of its own,
+    measured for its speed only) and each eagle3 engine after its acceptance figures generate
+    c requests of `evaluate.max_tokens` tokens each at c = 1 and 2; the report gives the tokens/s
+    of both and their quotient per concurrency, marked not representative on a CPU, and
+    acceptance.md the same table."""
+    from eagleflow.evaluate.acceptance import GIVEN
+
+    report, table, work = evaluated["report"], evaluated["table"], evaluated["work"]
+    speed = report["speed"]
+    assert speed["device"] == "cpu" and speed["representative"] is False
+    assert speed["note"] == "measured on a CPU engine: not representative of a GPU's speed-up"
+    alone = speed["target_alone"]
+    tokens = [16 * c for c in (1, 2)]  # max_tokens each, the end of turn ignored
+    assert [r["concurrency"] for r in alone] == [1, 2]
+    assert [r["output_tokens"] for r in alone] == tokens
+    assert all(r["tokens_per_second"] > 0 for r in alone), alone
+    # the engines' own files: the target alone measured nothing else, and the eagle3 engines
+    # generated as many tokens as it did
+    target_alone = json.loads((work / "none-k0.json").read_text())
+    assert target_alone["records"] == [] and target_alone["speed"] == alone
+    for name in ("eagle3-k1.json", "eagle3-k1-given.json"):
+        run = json.loads((work / name).read_text())
+        assert [r["output_tokens"] for r in run["speed"]] == tokens, name
+    base = {r["concurrency"]: r["tokens_per_second"] for r in alone}
+    rows = speed["rows"]
+    paths = ["vllm_eagle3", "vllm_eagle3" + GIVEN]
+    assert [(r["path"], r["k"], r["concurrency"]) for r in rows] == [
+        (p, 1, c) for p in paths for c in (1, 2)
+    ]
+    lines = [
+        "## Speed-up (output tokens/s, the same prompts and engine settings)",
+        f"**{speed['note']}.**",
+        "| engine | k | temperature | concurrency | target alone | with draft | ratio |",
+    ]
+    for r in rows:
+        c = r["concurrency"]
+        assert r["target_alone_tokens_per_second"] == base[c]
+        assert r["tokens_per_second"] > 0
+        assert r["speedup"] == round(r["tokens_per_second"] / base[c], 3), r
+        label = "vLLM eagle3" + (GIVEN if r["path"].endswith(GIVEN) else "")
+        lines.append(
+            f"| {label} | 1 | 0 (greedy) | {c} | {base[c]} | {r['tokens_per_second']} | "
+            f"{r['speedup']:.2f}x |"
+        )
+    for line in lines:
+        assert line in table, line
+    assert "speed: {" in evaluated["log"]
+    print(
+        "speed (CPU, not representative): target alone",
+        base,
+        "with draft",
+        [(r["path"], r["concurrency"], r["tokens_per_second"], r["speedup"]) for r in rows],
     )

@@ -826,7 +826,10 @@ def evaluate(
                             else ""
                         )
                     )
-    log(f"engine loads: {engine_loads} vLLM engine(s), one per vLLM path and k")
+    log(
+        f"engine loads: {engine_loads} vLLM engine(s), one per vLLM path, draft and k"
+        + (", and the target alone (evaluate.speed)" if cfg.speed else "")
+    )
     for by_k in (b for runs in by_mode.values() for b in runs.values()):
         for results in by_k.values():
             reference = results.get("reference", {}).get("output_token_ids")
