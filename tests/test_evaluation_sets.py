@@ -347,6 +347,17 @@ def test_runtime_counts_a_load_per_k_and_every_sets_turns():
     assert (
         evaluate_runtime_minutes({**ev, "speed": True, "speed_concurrencies": [1, 8]}, 1, 50) == 13
     )
+    # evaluate.draft: its eagle3 engine and reference loop again, not the n-gram baseline
+    # (plan_loads measures it once): 2 x 2 + 1 loads, (2 x 2 + 1) x 10 x 300 tokens (5 min)
+    paths = {**ev, "paths": ["vllm_eagle3", "vllm_ngram", "reference"]}
+    assert evaluate_runtime_minutes(paths, 1, 50) == 11  # 3 loads, 3 min of tokens
+    with_given = {**paths, "draft": "downloaded"}
+    loads = plan_loads(with_given["paths"], [3], {"": "export", GIVEN: "downloaded"})
+    assert len(loads) == 5
+    assert evaluate_runtime_minutes(with_given, 1, 50) == 17  # 1.5 x (5 + 5) + 2
+    # evaluate.modes: every prompt in each mode, by the same engines: 2 x 2 x 10 x 300 tokens
+    modes = {"thinking": {"thinking": True}, "instant": {"thinking": False}}
+    assert evaluate_runtime_minutes({**ev, "modes": modes}, 1, 50) == 11  # 1.5 x (2 + 4) + 2
 
 
 # ---------------------------------------------------------------- the AL definition

@@ -168,24 +168,29 @@ def train_runtime_minutes(tokens: int, rate_per_rank: float, ranks: int, attempt
 def evaluate_runtime_minutes(
     evaluate: dict, load_minutes: float, decode_tokens_per_second: float, attempt: int = 1
 ) -> int:
-    """SLURM time limit of the evaluate job: one target load per vLLM path and k (vLLM fixes k
-    when an engine is built) and one for the reference loop, doubled with evaluate.draft, and
-    every path's tokens at every k (prompts of each set, its limit or num_prompts, x 2 turns
-    for MT-Bench-style sets, x max_tokens) at the decode rate, with evaluate.speed's engine
-    and requests, with the extract jobs' margin and start-up, times attempt."""
+    """SLURM time limit of the evaluate job, counting what `eagleflow.evaluate.acceptance`
+    plans: one target load per vLLM path and k (vLLM fixes k when an engine is built) and one
+    for the reference loop, for this run's draft and again for evaluate.draft's (the n-gram
+    baseline needs no draft: measured once), and every measured path's tokens at every k
+    (prompts of each set, its limit or num_prompts, x 2 turns for MT-Bench-style sets, x
+    max_tokens, x each of evaluate.modes) at the decode rate, with evaluate.speed's engine and
+    requests, with the extract jobs' margin and start-up, times attempt."""
     k = evaluate.get("speculative_tokens", 3)
     ks = len(k) if isinstance(k, list) else 1
     paths = list(evaluate["paths"])
     drafts = 2 if evaluate.get("draft") else 1
-    vllm = sum(p != "reference" for p in paths)
-    loads = (vllm * ks + ("reference" in paths)) * drafts
+    ngram = "vllm_ngram" in paths
+    drafted_vllm = sum(p not in ("reference", "vllm_ngram") for p in paths)
+    loads = (drafted_vllm * ks + ("reference" in paths)) * drafts + ngram * ks
+    measured = (len(paths) - ngram) * drafts + ngram  # paths x drafts, each at every k
     sets = evaluate.get("sets") or [{"name": "heldout"}]
     prompts = sum(
         (s.get("limit") or int(evaluate["num_prompts"]))
         * (2 if s.get("format") == "mt_bench" else 1)
         for s in sets
     )
-    tokens = len(paths) * ks * drafts * prompts * int(evaluate["max_tokens"])
+    modes = len(evaluate.get("modes") or {}) or 1
+    tokens = measured * ks * prompts * modes * int(evaluate["max_tokens"])
     if evaluate.get("speed"):  # the target alone, then every eagle3 engine, at each concurrency
         loads += 1
         timed = 1 + ("vllm_eagle3" in paths) * ks * drafts
