@@ -21,6 +21,7 @@ target's own, so the mixed forms are extracted as written."""
 
 import csv
 import json
+import re
 import shutil
 import time
 
@@ -351,9 +352,12 @@ def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_gener
     `kimi_k2` reasoning parser: every reply is a row's `reasoning_content` + `content`, and
     the job checked each against the token ids the engine returned (a reply that ended itself
     renders to exactly them; one cut at `max_new_tokens` to them followed by the template's
-    closing markers; the barely trained replica's replies are all of this kind, so the exact
-    case is proven with written-out replies in tests/test_reasoning_data.py). The shards then
-    train on each reply's reasoning."""
+    closing markers). The barely trained replica cuts some replies at the budget and, from one
+    run to the next, ends others at once: `<|im_end|>` right after the prompt's `<think>`, a
+    reply with nothing in it that renders back with a `</think>` it never wrote. That is the
+    one mismatch allowed here, each named in the job's log; the exact case is proven with
+    written-out replies in tests/test_reasoning_data.py. The shards then train on each reply's
+    reasoning."""
     results = traffic / "results-regen"
     regenerated = results / "regenerated"
     (summary_file,) = regenerated.glob("*.summary.json")
@@ -392,20 +396,37 @@ def test_regeneration_in_thinking_mode_writes_rows_that_render_back_to_the_gener
     assert any(m.get("reasoning_content") for m in replies), replies
     finished = summary["finish_reasons_now"]
     checked = summary["rerendered_now"]
-    assert checked == {
-        "exact": finished.get("stop", 0),
-        "cut": finished.get("length", 0),
-        "mismatched": 0,
-    }, summary
+    assert checked["cut"] == finished.get("length", 0), summary
+    assert checked["exact"] + checked["mismatched"] == finished.get("stop", 0), summary
+    log = (results / "logs" / "regenerate" / f"{summary['shard']}.log").read_text()
+    named = re.findall(
+        r"([\w.#-]+), reply (\d+): the written-out reply does not render back to the generated "
+        r"tokens \(first difference at its token (\d+); finish reason (\w+)\)",
+        log,
+    )
+    assert len(named) == checked["mismatched"], log[-3000:]
+    for sample_id, k, at, reason in named:  # each an empty reply the target ended at once
+        reply = [m for m in by_id[sample_id]["messages"] if m["role"] == "assistant"][int(k) - 1]
+        assert (at, reason) == ("0", "stop"), (sample_id, k)
+        assert not reply.get("reasoning_content") and reply["content"] == "", (sample_id, reply)
+        assert not reply.get("tool_calls"), (sample_id, reply)
     assert summary["truncated_now"] == finished.get("length", 0)
     assert sum(checked.values()) == len(replies)  # every reply checked
 
     samples = decoded_samples(results, tok)
     for r in rows:  # the prompt rows
         first, second = [m for m in r["messages"] if m["role"] == "assistant"]
+        if not first.get("reasoning_content"):
+            # the first reply renders as history as it did as a reply: one sample trains on both
+            assert f"{r['id']}#turn1" not in samples
+            trained, _ = samples[r["id"]]
+            one = "</think>" + first["content"] + "<|im_end|>"
+            assert trained.startswith(one), (r["id"], trained)
+            assert trained[len(one) :].startswith(second.get("reasoning_content", "") + "</think>")
+            continue
         trained1, _ = samples[f"{r['id']}#turn1"]
         trained2, rest2 = samples[f"{r['id']}#turn2"]
-        assert trained1.startswith(first.get("reasoning_content", "") + "</think>")
+        assert trained1.startswith(first["reasoning_content"] + "</think>")
         assert trained2.startswith(second.get("reasoning_content", "") + "</think>")
         # the first reply as history: its reasoning emptied to a think block
         assert "<think></think>" + first["content"] + "<|im_end|>" in rest2
