@@ -338,3 +338,35 @@ def test_an_mla_draft_with_evaluate_mla_off_is_refused_before_the_dag(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # a search of 256 meta-device drafts at Kimi-K2.5's shape
+def test_the_architecture_benchmark_matches_the_llama_drafts_parameter_budget():
+    """benchmarks/draft_architecture.py's `mla_matched` arm: on the embedded target, within 1%
+    of the llama draft's trainable parameters, nope = v as published, kv_lora_rank and rope
+    kept (vLLM's CPU MLA kernel takes only 576). At Kimi-K2.5's shape the MLA draft of the
+    target's own shape is already under the llama draft's budget, so it is that shape."""
+    import importlib.util
+
+    from eagleflow.embedded.tiny_target import TINY_ARCH
+    from support.workflow_runner import REPO
+
+    path = REPO / "benchmarks" / "draft_architecture.py"
+    spec = importlib.util.spec_from_file_location("draft_architecture", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    tiny = {**TINY_ARCH, "vocab_size": 1024}
+    shape = bench.matched_mla_shape(tiny, 512, 3)
+    assert shape["qk_nope_head_dim"] == shape["v_head_dim"] < TINY_ARCH["v_head_dim"]
+    assert shape["q_lora_rank"] <= TINY_ARCH["q_lora_rank"]
+    llama = bench.trainable_parameters(tiny, 512, 3, {})
+    mla = bench.trainable_parameters(tiny, 512, 3, {"decoder": "mla", **shape})
+    assert abs(mla - llama) / llama < 0.01, (shape, mla, llama)
+    assert bench.arm_config("mla_matched", shape)["draft"] == {"architecture": "mla", **shape}
+
+    text = KIMI_K25["text_config"]
+    shape = bench.matched_mla_shape(KIMI_K25, 32000, 3)
+    assert shape == {k: text[k] for k in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
+    llama = bench.trainable_parameters(KIMI_K25, 32000, 3, {})
+    assert bench.trainable_parameters(KIMI_K25, 32000, 3, {"decoder": "mla"}) < llama
