@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainer_head_to_head import paired_difference  # noqa: E402
 
+from eagleflow.plan.settings import DraftSettings  # noqa: E402
+
 ARMS = ("llama", "mla", "mla_matched")
 # Aux states the draft fuses: the capture's layer ids but the last (the target's final state).
 NUM_AUX = 3
@@ -160,10 +162,7 @@ def run_one(args, arm: str, seed: int, base: dict, matched: dict) -> dict:
     bench = pd.read_csv(bench_file, sep="\t").iloc[-1]
     figures = report["runs"]["heldout"]["3"]["vllm_eagle3"]
     target_config = read_json(args.workdir / base["target"]["path"] / "config.json")
-    draft = config["draft"]
-    overrides = {"decoder": draft["architecture"]}
-    if arm == "mla_matched":
-        overrides |= matched
+    draft = DraftSettings.from_config(config)
     result = {
         "arm": arm,
         "seed": seed,
@@ -172,7 +171,7 @@ def run_one(args, arm: str, seed: int, base: dict, matched: dict) -> dict:
         "num_drafts": figures.get("num_drafts"),
         "prompts": report["sets"]["heldout"]["prompts"],
         "trainable_parameters": trainable_parameters(
-            target_config, draft["vocab_size"], NUM_AUX, overrides
+            target_config, draft.vocab_size, NUM_AUX, draft.model.overrides()
         ),
         "tokens_per_second": summary["tokens_per_second"],
         "tokens_trained": summary["tokens_trained"],
@@ -236,8 +235,9 @@ def main(argv=None):
     for extra in args.configfile:
         base = merged(base, yaml.safe_load(Path(extra).read_text()))
     target_config = read_json(args.workdir / base["target"]["path"] / "config.json")
-    matched = matched_mla_shape(target_config, base["draft"]["vocab_size"], NUM_AUX)
-    budget = trainable_parameters(target_config, base["draft"]["vocab_size"], NUM_AUX, {})
+    vocab_size = DraftSettings.from_config(base).vocab_size
+    matched = matched_mla_shape(target_config, vocab_size, NUM_AUX)
+    budget = trainable_parameters(target_config, vocab_size, NUM_AUX, {})
     print(f"llama draft: {budget:,} trainable parameters; mla_matched shape {matched}")
     results = {}
     for seed in args.seeds:
