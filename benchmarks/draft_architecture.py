@@ -29,6 +29,7 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -61,6 +62,15 @@ EVALUATION = {
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def with_defaults(config: dict) -> dict:
+    """A copy of `config` with the schema's defaults filled, as Snakemake fills them."""
+    from snakemake.utils import validate
+
+    config = copy.deepcopy(config)
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    return config
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -162,7 +172,7 @@ def run_one(args, arm: str, seed: int, base: dict, matched: dict) -> dict:
     bench = pd.read_csv(bench_file, sep="\t").iloc[-1]
     figures = report["runs"]["heldout"]["3"]["vllm_eagle3"]
     target_config = read_json(args.workdir / base["target"]["path"] / "config.json")
-    draft = DraftSettings.from_config(config)
+    draft = DraftSettings.from_config(with_defaults(config))
     result = {
         "arm": arm,
         "seed": seed,
@@ -235,7 +245,7 @@ def main(argv=None):
     for extra in args.configfile:
         base = merged(base, yaml.safe_load(Path(extra).read_text()))
     target_config = read_json(args.workdir / base["target"]["path"] / "config.json")
-    vocab_size = DraftSettings.from_config(base).vocab_size
+    vocab_size = DraftSettings.from_config(with_defaults(base)).vocab_size
     matched = matched_mla_shape(target_config, vocab_size, NUM_AUX)
     budget = trainable_parameters(target_config, vocab_size, NUM_AUX, {})
     print(f"llama draft: {budget:,} trainable parameters; mla_matched shape {matched}")
