@@ -139,7 +139,9 @@ def run_one(args, arm: str, seed: int, base: dict, matched: dict) -> dict:
         {"draft": {"seed": seed}, "evaluate": EVALUATION},
     )
     configfile = run / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config))
+    # in the config's own key order: Snakemake compares dict params by their repr, so a
+    # sorted dump would re-run the rules that take a config section as a param
+    configfile.write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
         "--snakefile",
