@@ -24,6 +24,13 @@ Last line: `llama_al=<mean> mla_al=<mean> mla_matched_al=<mean>`.
 Usage (from the repository root):
   .venv/bin/snakemake --cores all extract    # or any finished run
   .venv/bin/python benchmarks/draft_architecture.py --workdir . --seeds 0 1 2
+
+Another target: its settings merged into one file, given to the extraction and to this script
+alike (`--configfile`). Snakemake compares a rule's dict params by their text, so the same
+sections in another key order would re-run the rules that take them (the target's training,
+the regeneration), not only the draft's:
+  .venv/bin/snakemake --cores all extract --configfile kimi.yaml
+  .venv/bin/python benchmarks/draft_architecture.py --workdir . --configfile kimi.yaml
 """
 
 from __future__ import annotations
