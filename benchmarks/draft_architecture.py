@@ -60,8 +60,9 @@ ARMS = ("llama", "mla", "mla_matched")
 # Aux states the draft fuses: the capture's layer ids but the last (the target's final state).
 NUM_AUX = 3
 # Every held-out prompt at the published cards' k = 3, the vLLM eagle3 path alone.
+K = 3
 EVALUATION = {
-    "speculative_tokens": [3],
+    "speculative_tokens": [K],
     "paths": ["vllm_eagle3"],
     "sets": [{"name": "heldout"}],
 }
@@ -179,7 +180,7 @@ def run_one(args, arm: str, seed: int, base: dict, matched: dict) -> dict:
     summary = json.loads(summary_file.read_text())
     report = json.loads(report_file.read_text())
     bench = pd.read_csv(bench_file, sep="\t").iloc[-1]
-    figures = report["runs"]["heldout"]["3"]["vllm_eagle3"]
+    figures = report["runs"]["heldout"][str(K)]["vllm_eagle3"]
     target_config = read_json(args.workdir / base["target"]["path"] / "config.json")
     draft = DraftSettings.from_config(with_defaults(config))
     result = {
