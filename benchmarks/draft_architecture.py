@@ -2,7 +2,7 @@
 one finished extraction, the vLLM eagle3 acceptance length on every held-out prompt, and the
 paired difference of each MLA arm to the llama draft.
 
-Arms (`draft.architecture`, and evaluate.mla as each needs on the CPU):
+Arms (`draft.architecture`; evaluate.mla null serves each as it needs):
 - `llama`: the workflow's draft (GQA, heads of 64);
 - `mla`: the target's own MLA shape, as the published Kimi MLA drafts keep their target's;
 - `mla_matched`: MLA at the llama draft's parameter budget: the target's heads, kv_lora_rank
@@ -124,10 +124,11 @@ def matched_mla_shape(target_config: dict, vocab_size: int, num_aux: int) -> dic
 
 
 def arm_config(arm: str, matched: dict) -> dict:
+    """The arm's `draft:` keys; evaluate.mla stays null, so that vLLM's MLA follows the draft."""
     if arm == "llama":
-        return {"draft": {"architecture": "llama"}, "evaluate": {"mla": False}}
+        return {"draft": {"architecture": "llama"}}
     shape = matched if arm == "mla_matched" else {}
-    return {"draft": {"architecture": "mla", **shape}, "evaluate": {"mla": True}}
+    return {"draft": {"architecture": "mla", **shape}}
 
 
 def only(paths: list[Path], what: str) -> Path:

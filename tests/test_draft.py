@@ -486,6 +486,11 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
         export["eagle_aux_hidden_state_layer_ids"] == layer_ids[:-1]
         and export["draft_vocab_size"] == 256
     )
+    # draft.architecture auto on the DeepseekV3 target: an MLA draft of the target's shape
+    target = json.loads((work / config["target"]["path"] / "config.json").read_text())
+    assert export["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+    assert {k: export[k] for k in mla_keys} == {k: target[k] for k in mla_keys}
     vocab = json.loads((results / "draft" / out["fp"] / "vocab.json").read_text())
     assert 0.5 < vocab["coverage"] <= 1 and 0 < vocab["heldout_coverage"] <= 1
     assert out["steps"] == list(range(1, 13))
@@ -506,6 +511,9 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
     assert kept[-1] == "step-00000012" and len(kept) <= 2
     report = out["acceptance"]
     assert report["ks"] == [1, 2] and report["temperature"] == 0.0
+    # evaluate.mla null: vLLM serves the MLA draft with MLA on, each of its engines
+    assert report["draft_architecture"] == "mla" and report["vllm_mla_disabled"] is False
+    assert [x["vllm_mla"] for x in report["loads"] if x["path"] == "vllm_eagle3"] == [True, True]
     assert all(is_heldout(s) for s in report["heldout"]["sample_ids"])
     assert report["sets"]["heldout"]["prompts"] == 3
     assert report["sets"]["mt_bench"]["categories"] == {"writing": 1, "reasoning": 1}
@@ -564,6 +572,7 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
         cells = " | ".join(f"{r[str(k)]['vllm_eagle3']['acceptance_length']:.2f}" for r in row)
         assert f"| vLLM eagle3 | {k} | 0 (greedy) | {cells} |" in table
     assert "| mt_bench | writing | vLLM eagle3 | 2 | 0 (greedy) |" in table
+    assert "| draft architecture | mla (vLLM's Eagle3DeepseekV2ForCausalLM) |" in table
     print(f"one rank, k=1,2 eagle3:\n{table}")
     html = work / "report.html"
     snakemake(work, "--report", str(html), config=config)

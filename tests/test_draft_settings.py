@@ -24,8 +24,11 @@ from support.workflow_config import SCHEMA, draft_settings, workflow_config
 # train_draft's params.recipe of the default config as the workflow wrote them before the
 # typed settings (commit ee28e1f, `launch.recipe_settings` + data.heldout_modulus): Snakemake
 # compares their repr with a finished run's record, so a change here reruns users' training.
+# Changed once on purpose: `'architecture': 'auto'` when auto became draft.architecture's
+# default (issue 36), which trains the MLA draft where the llama one was.
 DEFAULT_RECIPE = (
-    "{'batch_packs': 2, 'epochs': 1, 'fc_norm': False, 'grad_clip': 0.5, 'lm_head': 'random', "
+    "{'architecture': 'auto', 'batch_packs': 2, 'epochs': 1, 'fc_norm': False, "
+    "'grad_clip': 0.5, 'lm_head': 'random', "
     "'loss': 'kl', 'lr': 0.003, 'mask_oov': False, 'max_sample_tokens': 0, 'max_steps': 0, "
     "'max_tokens': 256, 'min_lr_ratio': 0.1, 'muon_lr': 0.02, 'muon_weight_decay': 0.1, "
     "'noise_std': 0.0, 'norm_output': False, 'optimizer': 'muon', 'seed': 0, "
@@ -34,12 +37,12 @@ DEFAULT_RECIPE = (
 )
 # The same for each example over the default (sha256 of the repr, first 16 hex digits).
 EXAMPLE_RECIPES = {
-    "deepseek-v3-tp8.yaml": "e6e1ceb6bc178765",
-    "kimi-k2.5-tp8-pp2-2nodes.yaml": "e6e1ceb6bc178765",
-    "kimi-k2.5-tp8.yaml": "e6e1ceb6bc178765",
-    "qwen3-32b-tp4-extract-hidden-states.yaml": "2f3e409b473020ce",
-    "stream.yaml": "e66117ef477016be",
-    "tiny-kimi-k25.yaml": "e66117ef477016be",
+    "deepseek-v3-tp8.yaml": "fbb20456d52ccfb8",
+    "kimi-k2.5-tp8-pp2-2nodes.yaml": "fbb20456d52ccfb8",
+    "kimi-k2.5-tp8.yaml": "fbb20456d52ccfb8",
+    "qwen3-32b-tp4-extract-hidden-states.yaml": "4d702513ac8cc7a0",
+    "stream.yaml": "7bde2b957777b89a",
+    "tiny-kimi-k25.yaml": "7bde2b957777b89a",
 }
 
 
@@ -121,6 +124,7 @@ def test_the_trainer_gets_the_record_s_settings(tmp_path):
         "activation_checkpointing": True,
         "fc_norm": False,
         "norm_output": False,
+        "decoder": "auto",  # the trainer resolves it against the target (draft_config_for)
     }
     args = launch.trainer_args(["s1", "s2"], "t", "v", tmp_path / "work", draft)
     assert args[:3] == ["--shards", "s1", "s2"]

@@ -630,6 +630,97 @@ def test_evaluate_measures_every_set_at_every_k_and_writes_json_table_and_plot(
     assert out[1].stat().st_size > 1000
 
 
+def test_evaluate_mla_null_runs_each_engine_as_its_draft_needs(tmp_path, monkeypatch):
+    """evaluate.mla null (the default): on the CPU, MLA on for an MLA draft's engines, off for
+    a llama draft's; the n-gram and target-alone engines as this run's draft's, evaluate.draft's
+    as its own; on a GPU always on. Set, it holds for every engine, and an MLA draft with it
+    false is refused in one sentence (that load's error, the others measured)."""
+    from dataclasses import replace
+
+    import eagleflow.evaluate.acceptance as acc
+    from eagleflow.engine.settings import EngineSettings
+    from eagleflow.export.deepseek_eagle3 import ARCHITECTURE
+
+    exports = {}
+    for name, arch in (("mla", ARCHITECTURE), ("llama", "Eagle3DraftModel")):
+        exports[name] = tmp_path / name
+        exports[name].mkdir()
+        (exports[name] / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    cpu = EngineSettings(target="t", mla=None)
+    resolve = acc.engine_for_draft
+    assert resolve(cpu, exports["mla"]).mla is True
+    assert resolve(cpu, exports["llama"]).mla is False and resolve(cpu, None).mla is False
+    gpu = replace(cpu, device="cuda")
+    assert all(resolve(gpu, d).mla is True for d in (exports["mla"], exports["llama"], None))
+    off = replace(cpu, mla=False)
+    assert resolve(off, exports["llama"]) == off and resolve(replace(cpu, mla=True), None).mla
+    with pytest.raises(ValueError) as e:
+        resolve(off, exports["mla"])
+    assert str(e.value) == (
+        f"{exports['mla']} is an MLA draft, which vLLM serves only with MLA on, and "
+        "evaluate.mla is false: set evaluate.mla to true, or to null to follow the draft"
+    )
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(40)])  # fmt: skip
+    seen = []
+
+    def fake_vllm(engine, speculation, items, job, workdir, log=print, tag=""):
+        draft = speculation.draft and Path(speculation.draft).name
+        seen.append((speculation.method, draft, engine.mla))
+        records = [
+            {"counters": {"num_drafts": 1, "num_draft_tokens": 1, "num_accepted_tokens": 1,
+                          "num_accepted_tokens_per_pos": [1]},
+             "turns": [[7]], "replies": ["x"], "prompt_tokens": [3], "turns_skipped": 0}
+            for _ in items
+        ]  # fmt: skip
+        return {"counters": {}, "records": records}
+
+    monkeypatch.setattr(acc, "run_vllm_sets", fake_vllm)
+
+    def evaluate(run_draft, given, mla=None):
+        seen.clear()
+        config = {
+            "data": {"path": data, "heldout_modulus": 4, "max_length": 512},
+            "evaluate": {
+                "speculative_tokens": 1,
+                "num_prompts": 2,
+                "max_tokens": 8,
+                "paths": ["vllm_eagle3", "vllm_ngram"],
+                "speed": True,
+                "draft": str(exports[given]),
+            },
+        }
+        out = [tmp_path / n for n in ("acceptance.json", "acceptance.png", "acceptance.md")]
+        report = acc.evaluate(
+            replace(cpu, mla=mla), exports[run_draft], data, EvalSettings.from_config(config),
+            out, tmp_path / "work", log=lambda line: None,
+        )  # fmt: skip
+        return report, list(seen)
+
+    report, loads = evaluate("llama", "mla")
+    assert loads == [
+        ("none", None, False),  # the target alone, as the llama draft's engines
+        ("eagle3", "llama", False),
+        ("eagle3", "mla", True),  # evaluate.draft: its own
+        ("ngram", None, False),
+    ]
+    assert report["vllm_mla_disabled"] is True
+    assert [x["vllm_mla"] for x in report["loads"]] == [False, False, True, False]
+    report, loads = evaluate("mla", "llama")
+    assert [m for *_, m in loads] == [True, True, False, True]
+    assert report["vllm_mla_disabled"] is False and report["draft_architecture"] == "mla"
+    report, loads = evaluate("llama", "mla", mla=False)
+    assert [m for *_, m in loads] == [False, False, False]  # the MLA draft's never started
+    given = report["runs"]["heldout"]["1"]["vllm_eagle3 (evaluate.draft)"]
+    assert given["error"].startswith(f"ValueError: {exports['mla']} is an MLA draft")
+    assert (
+        report["loads"][2]["vllm_mla"] is False
+        and "error" not in (report["runs"]["heldout"]["1"]["vllm_eagle3"])
+    )
+
+
 # ---------------------------------------------------------------- evaluate.speed
 
 

@@ -177,9 +177,11 @@ def traffic(tmp_path_factory):
 # its first user turn, the tool row with its tools) in both modes, at k = 1, with
 # evaluate.speed at concurrencies 1 and 2 (the fewest that still show concurrency); the
 # `evaluated` fixture adds evaluate.draft. Three engines: the run's draft, evaluate.draft's, and
-# the target alone (the speed baseline).
+# the target alone (the speed baseline). A llama draft, where auto would train the MLA draft
+# (test_draft.py's `all` covers that): the suite's end-to-end run of the llama draft in vLLM.
 EVALUATION = {
     "draft": {
+        "architecture": "llama",
         "vocab_size": 256,
         "max_steps": 6,
         "batch_packs": 2,
@@ -497,6 +499,9 @@ def test_evaluate_draft_beside_the_runs_own_gives_exactly_its_figures(evaluated)
     assert report["draft"] == f"results/draft/{evaluated['fp']}/export"
     loads = report["loads"]
     assert [x["path"] for x in loads] == [TARGET_ALONE, "vllm_eagle3", "vllm_eagle3" + GIVEN]
+    # evaluate.mla null, a llama draft on the CPU: MLA off in every engine
+    assert report["draft_architecture"] == "llama" and report["vllm_mla_disabled"] is True
+    assert [x["vllm_mla"] for x in loads] == [False, False, False]
     # vLLM's own totals over every set and mode, in each engine
     own_total, given_total = loads[1]["counters"], loads[2]["counters"]
     assert own_total == given_total and own_total["1"]["num_drafts"] > 0, loads

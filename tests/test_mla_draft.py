@@ -294,7 +294,7 @@ def test_draft_architecture_keys_become_the_draft_configs_overrides():
     def settings(**draft):
         return draft_settings(draft)
 
-    llama = settings(attention="flex", fc_norm=False)
+    llama = settings(attention="flex", fc_norm=False, architecture="llama")
     assert llama.model.overrides() == {
         "attention": "flex",
         "activation_checkpointing": llama.model.activation_checkpointing,
@@ -310,9 +310,46 @@ def test_draft_architecture_keys_become_the_draft_configs_overrides():
     with pytest.raises(SettingsError) as e:
         settings(v_head_dim=64)
     assert str(e.value) == "draft.v_head_dim is an MLA shape key: it needs draft.architecture: mla"
+    with pytest.raises(SettingsError, match="draft.q_lora_rank is an MLA shape key"):
+        settings(architecture="auto", q_lora_rank=64)
     # the overrides give the draft the trainer builds
     cfg = draft_config_for(DEEPSEEK_V3, 100, 3, **mla.model.overrides())
     assert (cfg.decoder, cfg.q_lora_rank, cfg.kv_lora_rank) == ("mla", 64, 512)
+
+
+def test_the_default_architecture_is_mla_for_the_deepseek_v2_family_and_llama_otherwise():
+    """draft.architecture auto (the schema's default): the trainer's draft is the target's own
+    MLA shape for DeepSeek-V3 and Kimi-K2.5 (through its text_config), llama for a target
+    without MLA, and llama for an MLA target without q_lora_rank (DeepSeek-V2-Lite), which
+    vLLM's MLA draft cannot serve. train_draft's params carry `auto`: the resolved draft
+    follows the target, an input of the rule."""
+    from eagleflow.target.info import draft_architecture_for as architecture_for
+    from support.workflow_config import draft_settings
+
+    auto = draft_settings({"attention": "flex"})
+    assert auto.model.architecture == "auto" and auto.model.overrides()["decoder"] == "auto"
+    assert auto.recipe()["architecture"] == "auto" and "q_lora_rank" not in auto.recipe()
+    explicit = draft_config_for(DEEPSEEK_V3, 100, 3, **{**auto.model.overrides(), "decoder": "mla"})
+    assert draft_config_for(DEEPSEEK_V3, 100, 3, **auto.model.overrides()) == explicit
+    kimi = draft_config_for(KIMI_K25, 100, 3, **auto.model.overrides())
+    text = KIMI_K25["text_config"]
+    assert kimi.decoder == "mla" and (kimi.q_lora_rank, kimi.v_head_dim) == (
+        text["q_lora_rank"],
+        text["v_head_dim"],
+    )
+    lite = {**DEEPSEEK_V3, "q_lora_rank": None}
+    plain = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank")}
+    assert [architecture_for(c) for c in (DEEPSEEK_V3, text, lite, plain)] == [
+        "mla",
+        "mla",
+        "llama",
+        "llama",
+    ]
+    for target in (lite, plain):
+        cfg = draft_config_for(target, 100, 3, **auto.model.overrides())
+        assert cfg == draft_config_for(
+            target, 100, 3, **{**auto.model.overrides(), "decoder": "llama"}
+        )
 
 
 def test_an_mla_draft_with_evaluate_mla_off_is_refused_before_the_dag(tmp_path):
@@ -334,10 +371,38 @@ def test_an_mla_draft_with_evaluate_mla_off_is_refused_before_the_dag(tmp_path):
         tmp_path,
         "-n",
         "all",
-        config={"draft": {"architecture": "mla"}, "evaluate": {"mla": True}},
+        config={"draft": {"architecture": "mla"}},  # evaluate.mla null: the draft's
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_auto_with_evaluate_mla_off_is_refused_once_the_target_is_known(tmp_path):
+    """draft.architecture auto with evaluate.mla false: refused before the DAG when the
+    target's config.json gives an MLA draft, naming the target and the keys to change; let
+    through for a target without MLA, and for one not built yet (the evaluation refuses it
+    then: test_evaluation_sets.py)."""
+    from eagleflow.plan.settings import SettingsError, check_architecture
+    from support.workflow_config import workflow_config
+
+    def check(target_config):
+        target = tmp_path / "target"
+        target.mkdir(exist_ok=True)
+        if target_config is not None:
+            (target / "config.json").write_text(json.dumps(target_config))
+        check_architecture(
+            workflow_config({"target": {"path": str(target)}, "evaluate": {"mla": False}})
+        )
+
+    check(None)
+    check({k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank")})
+    with pytest.raises(SettingsError) as e:
+        check(DEEPSEEK_V3)
+    assert str(e.value) == (
+        f"draft.architecture auto trains an MLA draft for {tmp_path / 'target'} "
+        "(DeepseekV3ForCausalLM), which vLLM serves only with MLA on, and evaluate.mla is "
+        "false: set evaluate.mla to null or true, or draft.architecture to llama"
+    )
 
 
 @pytest.mark.slow  # a search of 256 meta-device drafts at Kimi-K2.5's shape

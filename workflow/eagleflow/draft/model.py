@@ -60,9 +60,11 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from torch.utils.checkpoint import checkpoint
 
 from eagleflow.draft import mla
+from eagleflow.target.info import draft_architecture_for
 
 ATTENTION = ("flex", "eager")
 ARCHITECTURES = ("llama", "mla")  # the decoder layer's attention: GQA, or MLA (`mla.py`)
+AUTO = "auto"  # draft.architecture's default: the target decides (`architecture_for`)
 LATER_OPTIONS = ("fc_norm", "norm_output")  # architecture added after checkpoints existed
 BLOCK = 128  # query/key block of the flex BlockMask and of the blockwise CPU kernel
 FROZEN_DTYPE = torch.bfloat16  # the target's embedding, as the target stores it
@@ -135,7 +137,10 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target_config: dict, draft_vocab_size: int, num_aux: int, **overrides):
         """A draft sized after the target: its hidden size, heads of 64 (128 from H >= 2048);
-        with `decoder="mla"`, the target's heads and MLA shape (`mla_shape_of`)."""
+        with `decoder="mla"`, the target's heads and MLA shape (`mla_shape_of`);
+        `decoder="auto"`: the one `draft_architecture_for` the target gives."""
+        if overrides.get("decoder") == AUTO:
+            overrides = {**overrides, "decoder": draft_architecture_for(target_config)}
         if overrides.get("decoder") == "mla":
             overrides = {**mla_shape_of(target_config, overrides), **overrides}
         hidden = int(target_config["hidden_size"])

@@ -26,8 +26,10 @@ class EngineSettings:
     cpu_kvcache_space_gib: int = 1
     cpu_threads_bind: str | None = None
     # False: VLLM_MLA_DISABLE=1, the DeepSeek attention as plain attention over the same
-    # weights (regeneration and evaluation on CPU; see the config schema).
-    mla: bool = True
+    # weights (regeneration and evaluation on CPU; see the config schema). None: the
+    # evaluation's "follow the draft", resolved per engine before one starts
+    # (`eagleflow.evaluate.acceptance.engine_for_draft`).
+    mla: bool | None = True
     # `target.trust_remote_code`: run code shipped in the target directory (Kimi's tokenizer).
     trust_remote_code: bool = False
 
@@ -116,6 +118,8 @@ def cpu_threads_bind(workers: int, configured: str | None) -> str:
 def configure_process_env(settings: EngineSettings) -> None:
     """Environment vLLM reads at import and start; set before vLLM is imported."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.single_process else "1"
+    if settings.mla is None:
+        raise ValueError("EngineSettings.mla is None: resolve it for the engine's draft first")
     os.environ["VLLM_MLA_DISABLE"] = "0" if settings.mla else "1"
     if settings.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))

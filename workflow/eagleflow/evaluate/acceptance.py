@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -315,6 +315,25 @@ def draft_architecture(export_dir) -> str:
     return "mla" if cfg["architectures"] == [deepseek_eagle3.ARCHITECTURE] else "llama"
 
 
+def engine_for_draft(engine: EngineSettings, draft_dir) -> EngineSettings:
+    """The engine settings that serve the export in `draft_dir` (None: no draft). evaluate.mla
+    null (`engine.mla` None) follows the draft: MLA on for an MLA draft, which vLLM serves only
+    with it, and on a GPU; off for a llama draft on the CPU, where vLLM's MLA KV cache and the
+    llama draft's have no common block size (field notes 11). Set true or false, it holds for
+    every engine, and an MLA draft with it false is refused, naming the key."""
+    if engine.mla:
+        return engine
+    mla_draft = draft_dir is not None and draft_architecture(draft_dir) == "mla"
+    if engine.mla is None:
+        return replace(engine, mla=mla_draft or engine.device != "cpu")
+    if mla_draft and not engine.mla:
+        raise ValueError(
+            f"{draft_dir} is an MLA draft, which vLLM serves only with MLA on, and "
+            "evaluate.mla is false: set evaluate.mla to true, or to null to follow the draft"
+        )
+    return engine
+
+
 def load_export(export_dir):
     """The exported draft as an `Eagle3Draft` (fp32), from config.json + model.safetensors."""
     from safetensors.torch import load_file
@@ -385,6 +404,7 @@ def run_vllm(
     if workdir is None:  # a private folder of its own, removed afterwards
         with tempfile.TemporaryDirectory(prefix="eagleflow-acc-") as tmp:
             return run_vllm(engine, speculation, prompts, max_tokens, tmp, log)
+    engine = engine_for_draft(engine, speculation.draft)
     method, k = speculation.method, speculation.k
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -635,7 +655,8 @@ def run_vllm_sets(
     tag: str = "",
 ) -> dict:
     """`spec_decode_check --conversations` in a subprocess: one engine load; its JSON (with
-    per-prompt `records`) or {"error": ...}. `tag` tells two drafts' files apart."""
+    per-prompt `records`) or {"error": ...}. `tag` tells two drafts' files apart; `engine`
+    as `engine_for_draft` resolves it."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"{speculation.method}-k{speculation.k}{tag}"
@@ -771,8 +792,13 @@ def evaluate(
     )
     by_mode = {m: {s.name: {k: {} for k in cfg.ks} for s in sets} for m, _ in modes}
     engine_loads, load_log, speed_runs = 0, [], {}
+    # evaluate.mla null: the engines as this run's draft needs them (the n-gram and
+    # target-alone ones too, so that they run the target as its eagle3 engines do); those of
+    # evaluate.draft as that draft needs them
+    run_engine = engine_for_draft(engine, export_dir)
     for load in loads:
         t0 = time.time()
+        load_engine = engine if load.path.endswith(GIVEN) else run_engine
         try:
             if load.path.startswith("reference"):
                 got = run_reference_sets(target_dir, load.draft, items, load.ks, job)
@@ -782,14 +808,17 @@ def evaluate(
                 tag = "-given" if load.path.endswith(GIVEN) else ""
                 timed = cfg.speed and method in ("eagle3", "none")
                 speed_job = {**job, "speed_concurrencies": list(cfg.speed_concurrencies)}
+                load_engine = engine_for_draft(load_engine, load.draft)
                 run = run_vllm_sets(
-                    engine, speculation, items, speed_job if timed else job, workdir, log, tag
+                    load_engine, speculation, items, speed_job if timed else job, workdir, log, tag
                 )
                 got = {load.ks[0]: run}
                 engine_loads += 1
         except Exception as e:  # a failing path is reported, the others still measured
             got = {k: {"error": f"{type(e).__name__}: {e}"} for k in load.ks}
         entry = {"path": load.path, "ks": list(load.ks), "wall_s": round(time.time() - t0, 1)}
+        if not load.path.startswith("reference"):
+            entry["vllm_mla"] = load_engine.mla  # None: refused before the engine started
         # vLLM's own counter totals over every set: the per-prompt figures add up to them
         entry["counters"] = {str(k): run["counters"] for k, run in got.items() if "counters" in run}
         load_log.append(entry)
@@ -859,7 +888,7 @@ def evaluate(
             "modulus": cfg.heldout_modulus,
             "sample_ids": set_info.get(HELDOUT, {}).get("sample_ids", []),
         },
-        "vllm_mla_disabled": not engine.mla,
+        "vllm_mla_disabled": not run_engine.mla,  # this run's draft's engines (loads: each)
         # the target's greedy replies (speculation never changes them): the first path's
         "replies": next(
             (r["distinct_replies"] for r in first.values() if "distinct_replies" in r), None

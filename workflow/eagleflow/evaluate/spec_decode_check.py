@@ -4,9 +4,9 @@ Run as a subprocess (`python -m eagleflow.evaluate.spec_decode_check --engine E 
 so the engine's environment stays its own. On CPU the MLA target and a Llama-style draft clash
 on the KV block size (CPU_MLA wants 16, CPU_ATTN multiples of 32; field notes 11), so the
 evaluation's engine settings run the target's non-MLA attention path there (`mla: false`,
-VLLM_MLA_DISABLE=1, set by the engine builder before vLLM is imported). An MLA draft
-(`draft.architecture: mla`) is the mirror image: it runs only with MLA on (`evaluate.mla:
-true`, checked before the DAG: docs/draft-export.md).
+VLLM_MLA_DISABLE=1, set by the engine builder before vLLM is imported). An MLA draft is the
+mirror image: it runs only with MLA on. `evaluate.mla: null` gives each engine what its draft
+needs (`eagleflow.evaluate.acceptance.engine_for_draft`; docs/draft-export.md).
 """
 
 from __future__ import annotations

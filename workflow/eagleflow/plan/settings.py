@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eagleflow.data.heldout import HELDOUT_MODULUS
+from eagleflow.target.info import TargetError, draft_architecture_for, read_target
 
 LOSSES = ("kl", "lk_hybrid")
 LM_HEADS = ("random", "target", "target_frozen")
@@ -89,7 +90,7 @@ RECIPE_KEYS = tuple(f.name for f in fields(TrainConfig) if f.name not in EXTENT_
 # draft refuses (`eagleflow.draft.mla.MLA_SHAPE_KEYS` and the heads)
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_KEYS += ("num_attention_heads",)
-ARCHITECTURES = ("llama", "mla")  # draft.architecture
+ARCHITECTURES = ("auto", "llama", "mla")  # draft.architecture (auto: the target decides)
 # DraftConfig fields that decide what the weights mean, for every architecture; an MLA draft
 # adds `architecture` and MLA_KEYS (`DraftSettings.recipe`)
 ARCH_KEYS = ("fc_norm", "norm_output")
@@ -149,7 +150,7 @@ class DraftModel:
     activation_checkpointing: bool
     fc_norm: bool
     norm_output: bool
-    architecture: str = "llama"  # draft.architecture: the decoder layer (llama | mla)
+    architecture: str = "auto"  # draft.architecture: the decoder layer (auto | llama | mla)
     mla_shape: dict = field(default_factory=dict)  # the MLA_KEYS set (unset: the target's)
 
     def __post_init__(self):
@@ -157,7 +158,7 @@ class DraftModel:
             raise SettingsError(
                 f"draft.architecture = {self.architecture!r}: one of {', '.join(ARCHITECTURES)}"
             )
-        if self.architecture == "llama" and self.mla_shape:
+        if self.architecture != "mla" and self.mla_shape:
             raise SettingsError(
                 f"draft.{next(iter(self.mla_shape))} is an MLA shape key: it needs "
                 "draft.architecture: mla"
@@ -165,10 +166,11 @@ class DraftModel:
 
     def overrides(self) -> dict:
         """The keywords `draft_config_for` takes, as the trainer's `--draft` flag carries them
-        (`architecture` is DraftConfig's `decoder`; a llama draft's are those it always had)."""
+        (`architecture` is DraftConfig's `decoder`, auto resolved against the target by
+        `draft_config_for`; a llama draft's are those it always had)."""
         out = {k: getattr(self, k) for k in DRAFT_KEYS}
-        if self.architecture == "mla":
-            out |= {"decoder": "mla", **self.mla_shape}
+        if self.architecture != "llama":
+            out |= {"decoder": self.architecture, **self.mla_shape}
         return out
 
 
@@ -281,8 +283,10 @@ class DraftSettings:
         names = sorted((set(RECIPE_KEYS) | set(EXTENT_KEYS)) - {"heldout_modulus"})
         values = {k: getattr(self.train, k) for k in names}
         values |= {k: getattr(self.model, k) for k in ARCH_KEYS}
-        if self.model.architecture == "mla":  # a llama draft's params stay what they were
-            values |= {"architecture": "mla"}
+        # a llama draft's params stay what they were; auto's draft follows the target, an input
+        if self.model.architecture != "llama":
+            values |= {"architecture": self.model.architecture}
+        if self.model.architecture == "mla":
             values |= {k: self.model.mla_shape.get(k) for k in MLA_KEYS}
         return {k: values[k] for k in sorted(values)} | {"heldout_modulus": self.heldout_modulus}
 
@@ -290,11 +294,26 @@ class DraftSettings:
 def check_architecture(config: dict) -> None:
     """`draft.architecture` against the evaluation, before the DAG: an MLA draft is evaluated
     by vLLM with MLA on (the CPU KV cache of the MLA target and the MLA draft has no common
-    block size with MLA off)."""
+    block size with MLA off). An auto draft is known once the target is: the evaluation
+    checks it then (`eagleflow.evaluate.acceptance.engine_for_draft`)."""
     ev = config["evaluate"]
-    mla = config["draft"]["architecture"] == "mla"
-    if mla and not ev["mla"] and "vllm_eagle3" in ev["paths"]:
+    if ev["mla"] is not False or "vllm_eagle3" not in ev["paths"]:
+        return
+    architecture = config["draft"]["architecture"]
+    if architecture == "mla":
         raise SettingsError(
             "draft.architecture mla is served by vLLM's Eagle3DeepseekV2ForCausalLM, which "
             "runs only with MLA on: set evaluate.mla: true"
         )
+    if architecture == "auto":
+        try:  # an embedded target is built later: the evaluation checks it then
+            target = read_target(config["target"]["path"])
+        except TargetError:
+            return
+        if draft_architecture_for(target.text_config) == "mla":
+            raise SettingsError(
+                f"draft.architecture auto trains an MLA draft for {target.path} "
+                f"({target.architecture}), which vLLM serves only with MLA on, and "
+                "evaluate.mla is false: set evaluate.mla to null or true, or "
+                "draft.architecture to llama"
+            )
