@@ -561,7 +561,7 @@ def main(argv=None):
         if llama != overrides:
             print(
                 "speculators arm: a llama draft (speculators 0.9 has no MLA draft); ours: "
-                "the MLA draft of draft.architecture: mla"
+                f"draft.architecture {overrides['decoder']} (auto: mla for an MLA target)"
             )
         draft = DraftConfig.for_target(
             read_target_config(target), vocab.size, len(conv.aux_ids), **llama
