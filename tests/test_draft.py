@@ -487,7 +487,7 @@ def test_all_trains_exports_and_evaluates_the_draft_in_vllm(one_rank):
         and export["draft_vocab_size"] == 256
     )
     # draft.architecture auto on the DeepseekV3 target: an MLA draft of the target's shape
-    target = json.loads((work / config["target"]["path"] / "config.json").read_text())
+    target = json.loads((work / out["acceptance"]["target"] / "config.json").read_text())
     assert export["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
     assert {k: export[k] for k in mla_keys} == {k: target[k] for k in mla_keys}
