@@ -50,7 +50,7 @@ class TargetInfo:
 def draft_architecture_for(text_config: dict) -> str:
     """`draft.architecture: auto`: "mla" for a target that attends with MLA and has a query
     low rank, as DeepSeek-V3, Kimi-K2 and Kimi-K2.5 do (the draft then takes their MLA shape;
-    it tied or beat the llama draft at at most 1.15x the training time on both embedded
+    it tied or beat the llama draft at at most 1.21x the training time on both embedded
     targets: docs/measurements/mla-draft.md); "llama" for any other target. A target without
     q_lora_rank (DeepSeek-V2-Lite) gets llama: vLLM's MLA draft needs one."""
     has_mla = bool(text_config.get("kv_lora_rank")) and bool(text_config.get("q_lora_rank"))
