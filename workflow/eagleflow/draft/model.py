@@ -64,7 +64,7 @@ from eagleflow.target.info import draft_architecture_for
 
 ATTENTION = ("flex", "eager")
 ARCHITECTURES = ("llama", "mla")  # the decoder layer's attention: GQA, or MLA (`mla.py`)
-AUTO = "auto"  # draft.architecture's default: the target decides (`architecture_for`)
+AUTO = "auto"  # draft.architecture's default: the target decides (`draft_architecture_for`)
 LATER_OPTIONS = ("fc_norm", "norm_output")  # architecture added after checkpoints existed
 BLOCK = 128  # query/key block of the flex BlockMask and of the blockwise CPU kernel
 FROZEN_DTYPE = torch.bfloat16  # the target's embedding, as the target stores it

@@ -326,7 +326,7 @@ def engine_for_draft(engine: EngineSettings, draft_dir) -> EngineSettings:
     mla_draft = draft_dir is not None and draft_architecture(draft_dir) == "mla"
     if engine.mla is None:
         return replace(engine, mla=mla_draft or engine.device != "cpu")
-    if mla_draft and not engine.mla:
+    if mla_draft:  # evaluate.mla false
         raise ValueError(
             f"{draft_dir} is an MLA draft, which vLLM serves only with MLA on, and "
             "evaluate.mla is false: set evaluate.mla to true, or to null to follow the draft"

@@ -294,8 +294,9 @@ class DraftSettings:
 def check_architecture(config: dict) -> None:
     """`draft.architecture` against the evaluation, before the DAG: an MLA draft is evaluated
     by vLLM with MLA on (the CPU KV cache of the MLA target and the MLA draft has no common
-    block size with MLA off). An auto draft is known once the target is: the evaluation
-    checks it then (`eagleflow.evaluate.acceptance.engine_for_draft`)."""
+    block size with MLA off). An auto draft is checked here when the target's config.json
+    exists; an embedded target's, not yet built, by the evaluation
+    (`eagleflow.evaluate.acceptance.engine_for_draft`)."""
     ev = config["evaluate"]
     if ev["mla"] is not False or "vllm_eagle3" not in ev["paths"]:
         return
